@@ -1,0 +1,31 @@
+# dist_loop: the two commands a new user needs are `make train` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+# `make install EXTRAS=gpu,dev` takes the CUDA build of TensorFlow instead.
+EXTRAS ?= cpu,dev
+WORKDIR ?= runs/default
+comma := ,
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
+
+.PHONY: install train test bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
+	@touch $@
+
+train: install
+	$(PY) -m experiments.train --flagfile=experiments/configs/default.flags --workdir=$(WORKDIR)
+
+test: install
+	$(PY) -m pytest -q tests
+
+bench: install
+	$(PY) -m tools.bench --suite=all --out=bench.json
+
+clean:
+	rm -rf runs

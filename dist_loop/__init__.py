@@ -1,0 +1,22 @@
+"""dist_loop: hand-written TensorFlow 2 training loops across devices.
+
+The library never reads flags: build a `Config` and call `run(config)`.
+"""
+
+import os
+
+# TensorFlow's C++ start-up chatter hides our own output; keep its errors.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+from dist_loop.config import Config  # pylint: disable=g-import-not-at-top
+from dist_loop.errors import NonFiniteError, UserError
+
+
+def run(config, flags_text=None):
+  """See `dist_loop.train.run`. Imported lazily: it pulls in TensorFlow."""
+  from dist_loop import train  # pylint: disable=g-import-not-at-top
+  return train.run(config, flags_text)
+
+
+__all__ = ["Config", "NonFiniteError", "UserError", "run"]

@@ -1,0 +1,50 @@
+"""What every dataset loader returns, and the registry they join.
+
+A loader is `fn(data_dir, seed, image_size) -> Split`: numpy arrays in memory,
+already normalised, with a held-out evaluation split. `image_size` is what the
+model asks for (the seed CNN wants 28x28x1); loaders of image data resize to
+it, and loaders of feature data may ignore it.
+"""
+
+import dataclasses
+from typing import Optional, Tuple
+
+import numpy as np
+
+from dist_loop.registry import Registry
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+  """A dataset in memory: float32 inputs, int32 labels, train and eval."""
+
+  train_x: np.ndarray
+  train_y: np.ndarray
+  eval_x: np.ndarray
+  eval_y: np.ndarray
+  num_classes: int
+
+  @property
+  def input_shape(self) -> Tuple[int, ...]:
+    return tuple(self.train_x.shape[1:])
+
+
+DATASETS: Registry = Registry("dataset", "dataset")
+
+
+def resize_images(images: np.ndarray, image_size: Optional[int]) -> np.ndarray:
+  """Bilinear resize of NHWC images to image_size x image_size."""
+  if image_size is None or images.shape[1:3] == (image_size, image_size):
+    return images
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  out = tf.image.resize(images, (image_size, image_size), method="bilinear")
+  return out.numpy().astype(np.float32)
+
+
+def holdout(x: np.ndarray, y: np.ndarray, num_classes: int, eval_fraction: float,
+            seed: int) -> Split:
+  """Splits arrays into train/eval with a fixed permutation of `seed`."""
+  order = np.random.RandomState(seed).permutation(len(x))
+  n_eval = int(round(len(x) * eval_fraction))
+  ev, tr = order[:n_eval], order[n_eval:]
+  return Split(x[tr], y[tr], x[ev], y[ev], num_classes)

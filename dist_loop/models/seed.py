@@ -1,0 +1,32 @@
+"""The two models of the seed articles."""
+
+import keras
+
+from dist_loop.models.base import MODELS
+
+
+@MODELS.register("mlp")
+def mlp(input_shape, num_classes):
+  """Dense 128 relu -> Dense num_classes, on flattened input (10 features)."""
+  del input_shape
+  return [
+      keras.layers.Flatten(name="flatten"),
+      keras.layers.Dense(128, activation="relu", name="dense_1"),
+      keras.layers.Dense(num_classes, name="logits"),
+  ]
+
+
+@MODELS.register("cnn")
+def cnn(input_shape, num_classes):
+  """Conv 32 3x3 relu -> MaxPool 2x2 -> Flatten -> Dense 128 relu -> Dense."""
+  del input_shape
+  return [
+      keras.layers.Conv2D(32, 3, activation="relu", name="conv"),
+      keras.layers.MaxPooling2D(2, name="pool"),
+      keras.layers.Flatten(name="flatten"),
+      keras.layers.Dense(128, activation="relu", name="dense_1"),
+      keras.layers.Dense(num_classes, name="logits"),
+  ]
+
+
+cnn.image_size = 28

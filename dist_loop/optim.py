@@ -1,0 +1,97 @@
+"""Optimizers (a name registry) and applying already-reduced gradients.
+
+Why not `optimizer.apply`: a Keras 3 optimizer called in replica context
+all-reduces (SUM) the gradients itself, so after our explicit all-reduce it
+would count them twice; called in cross-replica context it fails. So the
+update is done the way Keras does it internally, but without the reduce:
+from replica context, `merge_call` into cross-replica context, then
+`strategy.extended.update(var, fn)` runs the optimizer's `update_step` on each
+device's copy of each variable, and the iteration counter moves once.
+Outside any strategy (the default strategy) the same code applies directly.
+"""
+
+from typing import Sequence
+
+import keras
+import tensorflow as tf
+
+from dist_loop.registry import Registry
+
+OPTIMIZERS: Registry = Registry("optimizer", "optimizer")
+
+
+@OPTIMIZERS.register("sgd")
+def sgd(learning_rate):
+  return keras.optimizers.SGD(learning_rate)
+
+
+@OPTIMIZERS.register("momentum")
+def momentum(learning_rate):
+  return keras.optimizers.SGD(learning_rate, momentum=0.9)
+
+
+@OPTIMIZERS.register("adam")
+def adam(learning_rate):
+  return keras.optimizers.Adam(learning_rate)
+
+
+@OPTIMIZERS.register("rmsprop")
+def rmsprop(learning_rate):
+  return keras.optimizers.RMSprop(learning_rate)
+
+
+def make(name: str, learning_rate: float,
+         variables: Sequence[tf.Variable]) -> keras.optimizers.Optimizer:
+  """Builds the named optimizer and its slots for `variables`.
+
+  Call under the strategy's scope, so the slots are mirrored like the model.
+  """
+  optimizer = OPTIMIZERS.get(name)(learning_rate)
+  optimizer.build(list(variables))
+  return optimizer
+
+
+def apply_reduced(optimizer: keras.optimizers.Optimizer,
+                  grads: Sequence[tf.Tensor], variables: Sequence,
+                  ok: tf.Tensor) -> tf.Tensor:
+  """Applies gradients that were already all-reduced, once, if `ok`.
+
+  Call in replica context (inside `strategy.run`) or outside any strategy.
+
+  Args:
+    optimizer: a built Keras 3 optimizer.
+    grads: the reduced gradients, one per variable.
+    variables: the model's (Keras) variables.
+    ok: a boolean scalar, equal on every replica; False skips the update,
+      slots and iteration counter included.
+
+  Returns:
+    `ok`, so callers can chain on the update.
+  """
+  ctx = tf.distribute.get_replica_context()
+  return ctx.merge_call(_update, args=(optimizer, list(grads),
+                                       [_tf_variable(v) for v in variables], ok))
+
+
+def _update(strategy, optimizer, grads, variables, ok):
+  """Cross-replica half of `apply_reduced`: one update per device copy."""
+
+  def update_var(var, grad, apply):
+    def do():
+      lr = tf.cast(optimizer.learning_rate, var.dtype)
+      optimizer.update_step(grad, var, lr)
+      return tf.constant(True)
+
+    return tf.cond(apply, do, lambda: tf.constant(False))
+
+  for grad, var in zip(grads, variables):
+    strategy.extended.update(var, update_var, args=(grad, ok), group=False)
+  strategy.extended.update(
+      _tf_variable(optimizer.iterations),
+      lambda it, apply: it.assign_add(tf.cast(apply, it.dtype)), args=(ok,))
+  return ok
+
+
+def _tf_variable(v):
+  """A Keras 3 variable's backing tf.Variable (mirrored under a strategy)."""
+  return getattr(v, "value", v) if isinstance(v, keras.Variable) else v

@@ -1,0 +1,85 @@
+"""`run(config)`: the whole training run, from a Config to summary.json.
+
+Order matters here. Everything that can fail on bad input (flags, devices,
+data, model) happens before the workdir is touched, so an error at the door
+leaves an existing run exactly as it was. Then the workdir gets the resolved
+flags, the latest checkpoint is restored, and the controller takes over.
+"""
+
+import os
+from typing import Dict, Optional
+
+import keras
+import tensorflow as tf
+from absl import logging
+
+from dist_loop import checkpoints, data, devices, models
+from dist_loop.config import Config
+from dist_loop.controller import Controller
+from dist_loop.evaluation import Evaluator
+from dist_loop.files import atomic_write_text
+from dist_loop.modes import build_trainer
+from dist_loop.summaries import Summaries
+
+FLAGS_FILE = "flags.txt"
+SUMMARY_FILE = "summary.json"
+
+
+def run(config: Config, flags_text: Optional[str] = None) -> Dict[str, object]:
+  """Trains as `config` says; resumes if the workdir has a checkpoint.
+
+  Args:
+    config: the run's configuration.
+    flags_text: the resolved flags in flagfile format, saved as flags.txt.
+
+  Returns:
+    The contents of summary.json.
+
+  Raises:
+    UserError: bad input; nothing in the workdir was changed.
+    NonFiniteError: the loss or gradients became non-finite.
+  """
+  config.validate()
+  device_names = devices.configure(config.num_devices, config.device_type,
+                                   config.intra_op_threads,
+                                   config.inter_op_threads)
+  keras.utils.set_random_seed(config.seed)
+  if config.deterministic:
+    tf.config.experimental.enable_op_determinism()
+  split = data.DATASETS.get(config.dataset)(
+      config.data_dir, config.seed, models.image_size_for(config.model))
+  trainer = build_trainer(config, device_names, split)
+  try:
+    return _train(config, trainer, split, flags_text)
+  finally:
+    trainer.close()
+
+
+def _train(config, trainer, split, flags_text):
+  workdir = config.workdir
+  os.makedirs(workdir, exist_ok=True)
+  if flags_text is not None and trainer.is_chief:
+    atomic_write_text(os.path.join(workdir, FLAGS_FILE), flags_text)
+  manager = checkpoints.manager(trainer.checkpoint_items(), workdir,
+                                config.max_checkpoints)
+  checkpoints.restore_latest(manager, trainer.scope())
+  summaries = Summaries(workdir, enabled=trainer.is_chief)
+  summaries.hparams(_hparams(config))
+  logging.info("mode=%s devices=%s model=%s dataset=%s (%d train / %d eval)",
+               config.mode, ",".join(trainer.devices), config.model,
+               config.dataset, len(split.train_y), len(split.eval_y))
+  evaluator = Evaluator(trainer.model, split, config.eval_batch_size)
+  controller = Controller(
+      config, trainer, evaluator, summaries, manager,
+      os.path.join(workdir, SUMMARY_FILE) if trainer.is_chief else None)
+  try:
+    return controller.run()
+  finally:
+    summaries.close()
+
+
+def _hparams(config: Config) -> Dict[str, object]:
+  """The config minus paths: what distinguishes runs in the HParams tab."""
+  values = {k: v for k, v in vars(config).items()
+            if k not in ("workdir", "data_dir")}
+  return {k: v for k, v in values.items() if v is not None}

@@ -1,0 +1,3 @@
+"""Research extensions: each module registers a model, dataset, optimizer,
+mode, policy or schedule. Importing this package makes them selectable by
+flag; the library itself is not edited."""

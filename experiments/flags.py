@@ -1,0 +1,111 @@
+"""The command-line contract: flag definitions, parse-time checks, Config.
+
+Every flag here maps one to one onto a `dist_loop.Config` field. Checks that a
+flag can do alone (enums, bounds, registered names) and those that span flags
+run while absl parses, so a bad command fails before TensorFlow starts any
+work. `to_config()` is the only bridge from FLAGS to the library.
+"""
+
+import dataclasses
+
+from absl import flags
+
+from dist_loop import config as config_lib
+from dist_loop import data, models, modes, optim
+from dist_loop.errors import UserError
+
+FLAGS = flags.FLAGS
+
+# -- run --
+flags.DEFINE_string("workdir", None, "Directory of the run: checkpoints, "
+                    "TensorBoard events, flags.txt, summary.json. Rerunning "
+                    "on the same workdir resumes.")
+flags.DEFINE_enum("mode", "sync", modes.MODES.names(), "Parallel mode.")
+flags.DEFINE_integer("train_steps", 1000, "Steps to train (applied updates).",
+                     lower_bound=1)
+flags.DEFINE_integer("seed", 0, "Seed of initialisation and data order.")
+flags.DEFINE_bool("deterministic", False, "Deterministic kernels "
+                  "(tf.config.experimental.enable_op_determinism).")
+# -- data and model --
+flags.DEFINE_string("dataset", "digits", "Registered dataset: "
+                    + ", ".join(data.DATASETS.names()) + ".")
+flags.DEFINE_string("data_dir", None, "Where file-based datasets (mnist.npz) "
+                    "are read from; default: the Keras cache.")
+flags.DEFINE_string("model", "cnn", "Registered model: "
+                    + ", ".join(models.MODELS.names()) + ".")
+flags.DEFINE_integer("global_batch_size", 64, "Examples per step over all "
+                     "replicas.", lower_bound=1)
+flags.DEFINE_integer("eval_batch_size", 256, "Batch size of evaluation.",
+                     lower_bound=1)
+# -- optimizer --
+flags.DEFINE_string("optimizer", "adam", "Registered optimizer: "
+                    + ", ".join(optim.OPTIMIZERS.names()) + ".")
+flags.DEFINE_float("learning_rate", 1e-3, "Learning rate.", lower_bound=0.0)
+# -- devices --
+flags.DEFINE_integer("num_devices", 1, "Devices: logical CPU devices on a "
+                     "CPU-only machine, else the first N GPUs.", lower_bound=1)
+flags.DEFINE_enum("device_type", "auto", config_lib.DEVICE_TYPES,
+                  "auto: GPUs if present, else CPU.")
+flags.DEFINE_integer("intra_op_threads", 0, "Threads inside one op "
+                     "(0: TensorFlow's default).", lower_bound=0)
+flags.DEFINE_integer("inter_op_threads", 0, "Ops run concurrently "
+                     "(0: TensorFlow's default).", lower_bound=0)
+# -- the loop --
+flags.DEFINE_integer("steps_per_loop", 10, "Steps per tf.function call.",
+                     lower_bound=1)
+flags.DEFINE_integer("log_every", 50, "Steps between progress lines and "
+                     "train summaries.", lower_bound=1)
+flags.DEFINE_integer("eval_every", 200, "Steps between evaluations.",
+                     lower_bound=1)
+flags.DEFINE_integer("checkpoint_every", 200, "Steps between checkpoints.",
+                     lower_bound=1)
+flags.DEFINE_integer("max_checkpoints", 3, "Checkpoints kept.", lower_bound=1)
+flags.DEFINE_integer("histogram_every", 0, "Steps between weight and "
+                     "gradient histograms (0: never).", lower_bound=0)
+# -- all-reduce --
+flags.DEFINE_integer("allreduce_bytes_per_pack", 0, "Pack gradients into "
+                     "chunks of this many bytes for the all-reduce (0: "
+                     "TensorFlow decides).", lower_bound=0)
+flags.DEFINE_enum("allreduce_compression", "none", config_lib.COMPRESSIONS,
+                  "Cast gradients to this dtype for the all-reduce.")
+
+
+def _registered(registry):
+  def check(name):
+    if name not in registry:
+      raise flags.ValidationError(
+          f"unknown {registry.kind} {name!r}; registered: "
+          f"{', '.join(registry.names())}")
+    return True
+  return check
+
+
+flags.register_validator("dataset", _registered(data.DATASETS))
+flags.register_validator("model", _registered(models.MODELS))
+flags.register_validator("optimizer", _registered(optim.OPTIMIZERS))
+
+
+@flags.multi_flags_validator(["global_batch_size", "num_devices"])
+def _batch_divides(values):
+  try:
+    config_lib.check_divisible(values["global_batch_size"],
+                               values["num_devices"])
+  except UserError as e:
+    raise flags.ValidationError(str(e)) from None
+  return True
+
+
+def _field_names():
+  return [f.name for f in dataclasses.fields(config_lib.Config)]
+
+
+def to_config() -> config_lib.Config:
+  """The parsed flags as a frozen Config (raises UserError if invalid)."""
+  return config_lib.Config(**{n: FLAGS[n].value for n in _field_names()}
+                           ).validate()
+
+
+def to_flagfile() -> str:
+  """The resolved run flags in flagfile format, for WORKDIR/flags.txt."""
+  lines = [FLAGS[n].serialize() for n in _field_names()]
+  return "\n".join(line for line in lines if line) + "\n"

@@ -1,0 +1,45 @@
+"""Test set-up: one process, four logical CPU devices, small everything.
+
+TensorFlow fixes the device list when it starts, so it is set here, before
+any test touches TensorFlow; runs on fewer devices use the first N.
+"""
+
+import os
+import subprocess
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import pytest  # pylint: disable=g-import-not-at-top
+
+from dist_loop import devices  # pylint: disable=g-import-not-at-top
+
+NUM_TEST_DEVICES = 4
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+devices.configure(NUM_TEST_DEVICES, "cpu")
+
+
+def run_train(*args, timeout=240):
+  """Runs `python -m experiments.train ARGS` in a new process."""
+  return subprocess.run(
+      [sys.executable, "-m", "experiments.train", *args], cwd=REPO,
+      capture_output=True, text=True, timeout=timeout,
+      env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+
+
+@pytest.fixture
+def small_config(tmp_path):
+  """A factory of tiny, fast Configs in a fresh workdir."""
+  from dist_loop import Config  # pylint: disable=g-import-not-at-top
+
+  def make(**overrides):
+    base = dict(workdir=str(tmp_path / "run"), dataset="synthetic",
+                model="mlp", num_devices=1, global_batch_size=32,
+                train_steps=10, optimizer="sgd", learning_rate=0.1,
+                steps_per_loop=5, log_every=5, eval_every=10,
+                checkpoint_every=10, seed=0)
+    base.update(overrides)
+    return Config(**base)
+
+  return make
