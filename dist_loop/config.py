@@ -48,7 +48,7 @@ class Config:
     """Checks the rules that span fields. Returns self; raises UserError."""
     # Registries are imported here, not at the top: they pull in TensorFlow.
     from dist_loop import data, models, modes, optim  # pylint: disable=g-import-not-at-top
-    modes.MODES.get(self.mode)
+    trainer_class = modes.MODES.get(self.mode)
     models.MODELS.get(self.model)
     data.DATASETS.get(self.dataset)
     optim.OPTIMIZERS.get(self.optimizer)
@@ -66,13 +66,8 @@ class Config:
         raise UserError(f"--{name} must be >= 0, got {getattr(self, name)}")
     if not self.learning_rate > 0:
       raise UserError(f"--learning_rate must be > 0, got {self.learning_rate}")
-    check_divisible(self.global_batch_size, self.num_replicas)
+    trainer_class.validate_config(self)
     return self
-
-  @property
-  def num_replicas(self) -> int:
-    """Data-parallel replicas: every device holds one in sync mode."""
-    return self.num_devices
 
   def replace(self, **changes) -> "Config":
     return dataclasses.replace(self, **changes)

@@ -85,18 +85,25 @@ flags.register_validator("model", _registered(models.MODELS))
 flags.register_validator("optimizer", _registered(optim.OPTIMIZERS))
 
 
-@flags.multi_flags_validator(["global_batch_size", "num_devices"])
-def _batch_divides(values):
+def _field_names():
+  return [f.name for f in dataclasses.fields(config_lib.Config)]
+
+
+@flags.multi_flags_validator(["mode", "num_devices", "global_batch_size"])
+def _config_is_valid(values):
+  """Every rule that spans flags, mode-specific ones included, at parse time.
+
+  The rules live with the code they protect (`Config.validate` and each
+  mode's `Trainer.validate_config`); this only runs them. absl runs
+  validators once all flags are parsed, so the other fields are read as-is.
+  """
+  fields = {n: FLAGS[n].value for n in _field_names()}
+  fields.update(values)
   try:
-    config_lib.check_divisible(values["global_batch_size"],
-                               values["num_devices"])
+    config_lib.Config(**fields).validate()
   except UserError as e:
     raise flags.ValidationError(str(e)) from None
   return True
-
-
-def _field_names():
-  return [f.name for f in dataclasses.fields(config_lib.Config)]
 
 
 def to_config() -> config_lib.Config:

@@ -13,7 +13,7 @@ from typing import Dict, List
 import keras
 import tensorflow as tf
 
-from dist_loop.config import Config
+from dist_loop.config import Config, check_divisible
 from dist_loop.data import Split
 from dist_loop.registry import Registry
 
@@ -36,6 +36,16 @@ class Trainer(abc.ABC):
   optimizer: keras.optimizers.Optimizer
   step: tf.Variable
   is_chief: bool = True
+
+  @classmethod
+  def num_replicas(cls, config: Config) -> int:
+    """Data-parallel replicas the global batch is split over."""
+    return config.num_devices
+
+  @classmethod
+  def validate_config(cls, config: Config) -> None:
+    """Mode-specific rules, checked before any work. Raises UserError."""
+    check_divisible(config.global_batch_size, cls.num_replicas(config))
 
   def __init__(self, config: Config, devices: List[str], split: Split):
     self.config = config
