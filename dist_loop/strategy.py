@@ -1,0 +1,32 @@
+"""Building tf.distribute strategies that can live side by side in a process.
+
+A MirroredStrategy over CPU devices all-reduces with collective ops, and
+every new MirroredStrategy starts numbering its collective groups at 1. Two
+strategies in one process (tests, benchmarks, hybrid modes) then reuse the
+same collective instances with other shapes or dtypes, and the runtime aborts
+("Collective instance 100 expected type 0 and data_type 14 ..."), poisoning
+the process. TensorFlow's own tests avoid this with the class attribute
+`_collective_key_base`; each strategy built here gets a fresh base instead.
+"""
+
+import itertools
+
+import tensorflow as tf
+
+# Group keys per strategy are few (one per device set); leave ample room.
+_KEY_SPACING = 10_000
+_key_bases = itertools.count(1)
+
+
+class MirroredStrategy(tf.distribute.MirroredStrategy):
+  """`tf.distribute.MirroredStrategy` with collective keys unique per process."""
+
+  def __init__(self, devices=None, cross_device_ops=None):
+    # Read by MirroredExtended while the parent __init__ builds it.
+    self._collective_key_base = next(_key_bases) * _KEY_SPACING
+    super().__init__(devices=devices, cross_device_ops=cross_device_ops)
+
+
+def mirrored(devices) -> tf.distribute.Strategy:
+  """A MirroredStrategy over `devices` that coexists with others."""
+  return MirroredStrategy(devices)
