@@ -8,6 +8,8 @@ traceback; anything else is a bug in dist_loop and keeps its traceback.
 class UserError(Exception):
   """Bad input (flags, files, data, devices). The message names the fix."""
 
+  exit_code = 1
+
 
 class NonFiniteError(UserError):
   """The loss or the all-reduced gradients became NaN or Inf at `step`."""
@@ -17,3 +19,14 @@ class NonFiniteError(UserError):
     super().__init__(
         f"non-finite loss or gradients at step {step}; the update of that step "
         "was not applied. Lower --learning_rate, or check the input data.")
+
+
+class Interrupted(UserError):
+  """Ctrl-C or SIGTERM: a checkpoint at `step` was saved; rerunning resumes."""
+
+  exit_code = 130
+
+  def __init__(self, step: int):
+    self.step = step
+    super().__init__(f"interrupted at step {step}; a checkpoint was saved. "
+                     "Rerun the same command to resume.")

@@ -25,7 +25,7 @@ def main(argv):
     summary = dist_loop.run(config, flags_text=run_flags.to_flagfile())
   except dist_loop.UserError as e:
     print(f"error: {e}", file=sys.stderr)
-    return 130 if type(e).__name__ == "Interrupted" else 1
+    return e.exit_code
   acc = summary.get("eval_accuracy")
   print(f"done: step {summary['final_step']}, eval accuracy "
         f"{acc if acc is None else round(acc, 4)}, "
