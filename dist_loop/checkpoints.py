@@ -13,27 +13,108 @@ import os
 import tensorflow as tf
 from absl import logging
 
-from dist_loop import data, models
+from dist_loop import cluster, data, models
+from dist_loop.errors import UserError
 
 CHECKPOINT_DIR = "checkpoints"
 
 
-def manager(items, workdir: str, max_to_keep: int) -> tf.train.CheckpointManager:
-  """A CheckpointManager over `items` in WORKDIR/checkpoints."""
+def manager(items, workdir: str, max_to_keep: int, is_chief: bool = True):
+  """A CheckpointManager over `items` in WORKDIR/checkpoints.
+
+  Off the chief (multi-worker sync), a `WorkerTempManager`: every worker of a
+  MultiWorkerMirroredStrategy must take part in a save, but only the chief's
+  copy is kept.
+  """
   checkpoint = tf.train.Checkpoint(**items)
-  return tf.train.CheckpointManager(
-      checkpoint, os.path.join(workdir, CHECKPOINT_DIR),
-      max_to_keep=max_to_keep)
+  directory = os.path.join(workdir, CHECKPOINT_DIR)
+  if not is_chief:
+    return WorkerTempManager(checkpoint, directory)
+  return tf.train.CheckpointManager(checkpoint, directory,
+                                    max_to_keep=max_to_keep)
 
 
-def restore_latest(mgr: tf.train.CheckpointManager, scope) -> bool:
-  """Restores the latest checkpoint, if any, under `scope`. Returns whether."""
-  if not mgr.latest_checkpoint:
-    return False
+class WorkerTempManager:
+  """A non-chief worker's checkpoints: written to a temporary directory of
+  its own, deleted straight away (the MWMS recipe: saving may run collectives
+  every worker has to join, and two writers must not share a path).
+
+  `latest_checkpoint` names the chief's copy of what this worker last saved,
+  or before any save the chief's latest, which restore reads: the workdir is
+  on a filesystem every worker sees.
+  """
+
+  def __init__(self, checkpoint: tf.train.Checkpoint, chief_directory: str):
+    self.checkpoint = checkpoint
+    self._chief_directory = chief_directory
+    self._temp_directory = os.path.join(
+        chief_directory, f"workertemp_{cluster.current().task_index}")
+    self._latest = tf.train.latest_checkpoint(chief_directory)
+
+  @property
+  def latest_checkpoint(self):
+    return self._latest
+
+  def save(self, checkpoint_number: int) -> str:
+    temp = tf.train.CheckpointManager(self.checkpoint, self._temp_directory,
+                                      max_to_keep=1)
+    path = temp.save(checkpoint_number=checkpoint_number)
+    tf.io.gfile.rmtree(self._temp_directory)
+    self._latest = os.path.join(self._chief_directory, os.path.basename(path))
+    return path
+
+
+def restore_latest(mgr, scope):
+  """Restores the newest readable checkpoint under `scope`.
+
+  A checkpoint that fails to read (a truncated or missing file) is skipped
+  with a warning, and the one before it is tried: a crash or a full disk
+  costs one checkpoint interval, never the run.
+
+  Returns:
+    The path restored, or None if the directory holds no checkpoint.
+
+  Raises:
+    UserError: checkpoints exist but none can be read.
+  """
+  candidates = _candidates(mgr)
+  if not candidates:
+    return None
+  failures = []
   with scope:
-    mgr.checkpoint.restore(mgr.latest_checkpoint).assert_existing_objects_matched()
-  logging.info("Resumed from %s.", mgr.latest_checkpoint)
-  return True
+    path = _restore_first_readable(mgr.checkpoint, reversed(candidates),
+                                   failures)
+  if path is not None:
+    logging.info("Resumed from %s.", path)
+    return path
+  raise UserError(
+      f"no readable checkpoint in {os.path.dirname(candidates[-1])} (tried "
+      f"{', '.join(os.path.basename(p) for p in failures)}); move that "
+      "directory aside to start the run over")
+
+
+def _restore_first_readable(checkpoint, paths, failures):
+  for path in paths:
+    try:
+      checkpoint.restore(path).assert_existing_objects_matched()
+    except (tf.errors.OpError, ValueError, AssertionError, IndexError,
+            KeyError) as e:  # What truncated or missing files raise.
+      first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
+      logging.warning("Checkpoint %s is unreadable (%s: %s); trying the one "
+                      "before it.", path, type(e).__name__, first_line[:200])
+      failures.append(path)
+      continue
+    return path
+  return None
+
+
+def _candidates(mgr):
+  """Checkpoint paths, oldest first: the manager's list, or its latest."""
+  listed = list(getattr(mgr, "checkpoints", None) or [])
+  latest = mgr.latest_checkpoint
+  if latest and latest not in listed:
+    listed.append(latest)
+  return listed
 
 
 def load_model(config, path: str = None):

@@ -8,6 +8,9 @@ step count reaches the traced loop as a tensor.
 """
 
 import datetime
+import os
+import signal
+import threading
 import time
 from typing import Dict, Optional
 
@@ -16,22 +19,15 @@ import tensorflow as tf
 from absl import logging
 
 from dist_loop.config import Config
-from dist_loop.errors import UserError
+from dist_loop import checkpoints
+from dist_loop.errors import Interrupted, NonFiniteError, UserError
 from dist_loop.evaluation import Evaluator, probe_gradients
 from dist_loop.files import atomic_write_json
+from dist_loop.memory import peak_memory_mb
 from dist_loop.modes.base import Trainer
 from dist_loop.summaries import Summaries
 
 PROBE_BATCH = 256
-
-
-class Interrupted(UserError):
-  """Ctrl-C: the checkpoint at `step` was saved; rerunning resumes."""
-
-  def __init__(self, step: int):
-    self.step = step
-    super().__init__(f"interrupted at step {step}; a checkpoint was saved. "
-                     "Rerun the same command to resume.")
 
 
 class Controller:
@@ -52,6 +48,9 @@ class Controller:
     self._last_train: Dict[str, float] = {}
     self._last_eval: Dict[str, float] = {}
     self._last_eval_step = -1
+    self._skipped = 0
+    self._rollbacks = 0
+    self._preempted = False
 
   # -- the schedule --
 
@@ -63,6 +62,11 @@ class Controller:
                   cfg.histogram_every):
       if every:
         stop = min(stop, (step // every + 1) * every)
+    if cfg.profile_range:  # Profile exactly steps FIRST..LAST.
+      first, last = cfg.profile_range
+      for edge in (first - 1, last):
+        if edge > step:
+          stop = min(stop, edge)
     return stop
 
   def run(self) -> Dict[str, object]:
@@ -74,14 +78,23 @@ class Controller:
       logging.info("Already trained to step %d of %d; nothing to train.",
                    step, cfg.train_steps)
     first_loop = True
+    previous_handler = self._install_sigterm_handler()
     try:
       while step < cfg.train_steps:
         target = self._next_stop(step)
         if first_loop:
           self.summaries.trace_begin()
+        profile = self.config.profile_range
+        if profile and step == profile[0] - 1:
+          self.summaries.profile_begin()
         t0 = time.time()
-        metrics = self.trainer.train(target - step)
+        try:
+          metrics = self.trainer.train(target - step)
+        except NonFiniteError as e:
+          step = self._on_nonfinite(e)
+          continue
         seconds = time.time() - t0
+        self._skipped += int(metrics.pop("train/skipped_steps", 0))
         if first_loop:
           self.summaries.trace_end(target)
         new_step = self._step()
@@ -95,15 +108,76 @@ class Controller:
         first_loop = False
         self._window.add(metrics, target - step, examples, seconds)
         step = target
+        if profile and step == profile[1]:
+          self.summaries.profile_end()
         self._after_loop(step)
+        if self._preempted:
+          self._save(step)
+          raise Interrupted(step, "SIGTERM")
     except KeyboardInterrupt:
       self._save(self._step())
-      raise Interrupted(self._step()) from None
+      raise Interrupted(self._step(), "SIGINT") from None
+    finally:
+      if previous_handler is not None:
+        signal.signal(signal.SIGTERM, previous_handler)
     if self._last_eval_step != step:
       self._evaluate(step)
     if self.manager.latest_checkpoint is None or self._saved_step() != step:
       self._save(step)
     return self._write_summary(step, time.time() - start_time)
+
+  # -- faults --
+
+  def _on_nonfinite(self, error: NonFiniteError) -> int:
+    """`--nonfinite=rollback`: back to the last checkpoint; else re-raise."""
+    cfg = self.config
+    self.summaries.scalars(error.step, {"nonfinite/at_step": error.step})
+    if cfg.nonfinite != "rollback":
+      self.summaries.flush()
+      raise error
+    self._rollbacks += 1
+    self.summaries.scalars(error.step, {"nonfinite/rollbacks": self._rollbacks})
+    if self._rollbacks > cfg.max_rollbacks:
+      self.summaries.flush()
+      raise UserError(
+          f"non-finite loss or gradients at step {error.step} after "
+          f"{cfg.max_rollbacks} rollbacks (--max_rollbacks); lower "
+          "--learning_rate, or check the input data") from None
+    path = checkpoints.restore_latest(self.manager, self.trainer.scope())
+    if path is None:
+      raise UserError(f"non-finite values at step {error.step} and no "
+                      "checkpoint to roll back to yet; lower "
+                      "--checkpoint_every or --learning_rate") from None
+    self.trainer.on_restore()
+    logging.warning("Non-finite values at step %d: rolled back to %s "
+                    "(rollback %d of at most %d).", error.step, path,
+                    self._rollbacks, cfg.max_rollbacks)
+    return self._step()
+
+  def _install_sigterm_handler(self):
+    """SIGTERM (preemption) asks for a checkpoint at the end of the current
+    inner loop and an exit; a watchdog ends the process if that takes more
+    than --grace_period_s. Returns the previous handler (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+      return None
+
+    def on_sigterm(signum, frame):
+      del signum, frame
+      if self._preempted:
+        return
+      self._preempted = True
+      logging.warning("SIGTERM: saving a checkpoint and exiting within %gs.",
+                      self.config.grace_period_s)
+      threading.Thread(target=self._grace_watchdog, daemon=True).start()
+
+    return signal.signal(signal.SIGTERM, on_sigterm)
+
+  def _grace_watchdog(self):
+    time.sleep(self.config.grace_period_s)
+    logging.error("No checkpoint within --grace_period_s=%g after SIGTERM; "
+                  "exiting. The last saved checkpoint is intact.",
+                  self.config.grace_period_s)
+    os._exit(143)  # pylint: disable=protected-access
 
   def _after_loop(self, step: int) -> None:
     cfg = self.config
@@ -126,8 +200,13 @@ class Controller:
     steps_per_sec = metrics.pop("steps_per_sec")
     remaining = self.config.train_steps - step
     eta = datetime.timedelta(seconds=int(remaining / max(steps_per_sec, 1e-9)))
+    self.summaries.scalars(step, {"nonfinite/skipped_steps": self._skipped})
     self.summaries.scalars(step, {**metrics, "train/examples_per_sec": rate,
-                                  "train/steps_per_sec": steps_per_sec})
+                                  "train/steps_per_sec": steps_per_sec,
+                                  **peak_memory_mb(self.trainer.devices)})
+    self.summaries.images(step, self.trainer.images())
+    self.summaries.scalars(step, self.trainer.log_scalars())
+    self.summaries.histograms(step, self.trainer.histograms())
     logging.info("step %d/%d  loss %.4f  acc %.3f  %.0f ex/s  eta %s", step,
                  self.config.train_steps, metrics.get("train/loss", np.nan),
                  metrics.get("train/accuracy", np.nan), rate, eta)
@@ -176,6 +255,11 @@ class Controller:
         "mode": self.config.mode,
         "num_devices": self.config.num_devices,
     }
+    summary["skipped_steps"] = self._skipped
+    summary["rollbacks"] = self._rollbacks
+    summary.update(self.trainer.extra_summary())
+    summary.update({k.replace("memory/", "memory_"): v
+                    for k, v in peak_memory_mb(self.trainer.devices).items()})
     if self.summary_path:
       atomic_write_json(self.summary_path, summary)
     self.summaries.flush()

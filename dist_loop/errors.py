@@ -24,9 +24,10 @@ class NonFiniteError(UserError):
 class Interrupted(UserError):
   """Ctrl-C or SIGTERM: a checkpoint at `step` was saved; rerunning resumes."""
 
-  exit_code = 130
+  EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143}
 
-  def __init__(self, step: int):
+  def __init__(self, step: int, signal_name: str = "SIGINT"):
     self.step = step
-    super().__init__(f"interrupted at step {step}; a checkpoint was saved. "
+    self.exit_code = self.EXIT_CODES.get(signal_name, 1)
+    super().__init__(f"{signal_name} at step {step}; a checkpoint was saved. "
                      "Rerun the same command to resume.")

@@ -53,7 +53,7 @@ def make(name: str, learning_rate: float,
 
 def apply_reduced(optimizer: keras.optimizers.Optimizer,
                   grads: Sequence[tf.Tensor], variables: Sequence,
-                  ok: tf.Tensor) -> tf.Tensor:
+                  ok: tf.Tensor, lr_scale=None) -> tf.Tensor:
   """Applies gradients that were already all-reduced, once, if `ok`.
 
   Call in replica context (inside `strategy.run`) or outside any strategy.
@@ -64,21 +64,27 @@ def apply_reduced(optimizer: keras.optimizers.Optimizer,
     variables: the model's (Keras) variables.
     ok: a boolean scalar, equal on every replica; False skips the update,
       slots and iteration counter included.
+    lr_scale: optional float32 scalar; this update uses the learning rate
+      times it (the async mode's staleness policies). None: the plain rate.
 
   Returns:
     `ok`, so callers can chain on the update.
   """
   ctx = tf.distribute.get_replica_context()
+  kwargs = {} if lr_scale is None else {"lr_scale": lr_scale}
   return ctx.merge_call(_update, args=(optimizer, list(grads),
-                                       [_tf_variable(v) for v in variables], ok))
+                                       [_tf_variable(v) for v in variables], ok),
+                        kwargs=kwargs)
 
 
-def _update(strategy, optimizer, grads, variables, ok):
+def _update(strategy, optimizer, grads, variables, ok, lr_scale=None):
   """Cross-replica half of `apply_reduced`: one update per device copy."""
 
   def update_var(var, grad, apply):
     def do():
       lr = tf.cast(optimizer.learning_rate, var.dtype)
+      if lr_scale is not None:
+        lr *= tf.cast(lr_scale, var.dtype)
       optimizer.update_step(grad, var, lr)
       return tf.constant(True)
 

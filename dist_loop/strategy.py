@@ -30,3 +30,25 @@ class MirroredStrategy(tf.distribute.MirroredStrategy):
 def mirrored(devices) -> tf.distribute.Strategy:
   """A MirroredStrategy over `devices` that coexists with others."""
   return MirroredStrategy(devices)
+
+
+# -- several processes --
+
+_multi_worker = None
+
+
+def multi_worker(collective_timeout_s: float) -> tf.distribute.Strategy:
+  """This process's MultiWorkerMirroredStrategy over the TF_CONFIG cluster.
+
+  TensorFlow allows one per process, built before any op runs ("Collective
+  ops must be configured at program startup"), so the first call builds it
+  and later calls return the same one. `collective_timeout_s` bounds every
+  collective: a dead peer gives an error, not a hang.
+  """
+  global _multi_worker
+  if _multi_worker is None:
+    options = tf.distribute.experimental.CommunicationOptions(
+        timeout_seconds=collective_timeout_s)
+    _multi_worker = tf.distribute.MultiWorkerMirroredStrategy(
+        communication_options=options)
+  return _multi_worker

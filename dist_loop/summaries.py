@@ -24,6 +24,7 @@ class Summaries:
     self._writer = (tf.summary.create_file_writer(self.logdir) if enabled
                     else tf.summary.create_noop_writer())
     self._tracing = False
+    self._profiling = False
 
   def scalars(self, step: int, values: Mapping[str, float]) -> None:
     with self._writer.as_default(step=step):
@@ -34,6 +35,12 @@ class Summaries:
     with self._writer.as_default(step=step):
       for name, value in values.items():
         tf.summary.histogram(name, value)
+
+  def images(self, step: int, values: Mapping[str, np.ndarray]) -> None:
+    """HWC uint8 images, one per name."""
+    with self._writer.as_default(step=step):
+      for name, value in values.items():
+        tf.summary.image(name, value[None])
 
   def hparams(self, values: Dict[str, object]) -> None:
     """Logs the run's config through the HParams plugin."""
@@ -54,8 +61,20 @@ class Summaries:
         tf.summary.trace_export("train_step", step=step)
       self._tracing = False
 
+  def profile_begin(self) -> None:
+    """Starts a TF profiler trace; it lands in the Profile tab."""
+    if self.enabled and not self._profiling:
+      tf.profiler.experimental.start(self.logdir)
+      self._profiling = True
+
+  def profile_end(self) -> None:
+    if self._profiling:
+      tf.profiler.experimental.stop()
+      self._profiling = False
+
   def flush(self) -> None:
     self._writer.flush()
 
   def close(self) -> None:
+    self.profile_end()
     self._writer.close()

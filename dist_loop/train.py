@@ -15,10 +15,11 @@ from absl import logging
 
 from dist_loop import checkpoints, data, devices, models
 from dist_loop.config import Config
+from dist_loop.errors import UserError
 from dist_loop.controller import Controller
 from dist_loop.evaluation import Evaluator
 from dist_loop.files import atomic_write_text
-from dist_loop.modes import build_trainer
+from dist_loop.modes import MODES, build_trainer
 from dist_loop.summaries import Summaries
 
 FLAGS_FILE = "flags.txt"
@@ -40,6 +41,8 @@ def run(config: Config, flags_text: Optional[str] = None) -> Dict[str, object]:
     NonFiniteError: the loss or gradients became non-finite.
   """
   config.validate()
+  _check_layout_unchanged(config)
+  MODES.get(config.mode).join_cluster(config)  # Before TensorFlow starts.
   device_names = devices.configure(config.num_devices, config.device_type,
                                    config.intra_op_threads,
                                    config.inter_op_threads)
@@ -58,10 +61,11 @@ def run(config: Config, flags_text: Optional[str] = None) -> Dict[str, object]:
 def _train(config, trainer, split, flags_text):
   workdir = config.workdir
   os.makedirs(workdir, exist_ok=True)
-  if flags_text is not None and trainer.is_chief:
-    atomic_write_text(os.path.join(workdir, FLAGS_FILE), flags_text)
+  if trainer.is_chief:
+    atomic_write_text(os.path.join(workdir, FLAGS_FILE),
+                      flags_text or config.to_flagfile())
   manager = checkpoints.manager(trainer.checkpoint_items(), workdir,
-                                config.max_checkpoints)
+                                config.max_checkpoints, trainer.is_chief)
   checkpoints.restore_latest(manager, trainer.scope())
   summaries = Summaries(workdir, enabled=trainer.is_chief)
   summaries.hparams(_hparams(config))
@@ -76,6 +80,20 @@ def _train(config, trainer, split, flags_text):
     return controller.run()
   finally:
     summaries.close()
+
+
+def _check_layout_unchanged(config: Config) -> None:
+  """Refuses to resume a workdir under a different model or device layout."""
+  path = os.path.join(config.workdir, FLAGS_FILE)
+  if config.allow_config_change or not os.path.exists(path):
+    return
+  with open(path) as f:
+    changes = config.layout_changes(f.read())
+  if changes:
+    raise UserError(
+        f"{config.workdir} holds a run with other settings ({'; '.join(changes)}"
+        "). Use a new --workdir, restore the old values, or pass "
+        "--allow_config_change to resume anyway")
 
 
 def _hparams(config: Config) -> Dict[str, object]:

@@ -12,6 +12,7 @@ from absl import flags
 
 from dist_loop import config as config_lib
 from dist_loop import data, models, modes, optim
+from dist_loop.async_ import policies as async_policies
 from dist_loop.errors import UserError
 
 FLAGS = flags.FLAGS
@@ -62,12 +63,76 @@ flags.DEFINE_integer("checkpoint_every", 200, "Steps between checkpoints.",
 flags.DEFINE_integer("max_checkpoints", 3, "Checkpoints kept.", lower_bound=1)
 flags.DEFINE_integer("histogram_every", 0, "Steps between weight and "
                      "gradient histograms (0: never).", lower_bound=0)
+flags.DEFINE_string("profile_steps", "", "FIRST,LAST: write a TF profiler "
+                    "trace of these steps to TensorBoard's Profile tab.")
+# -- precision and accumulation --
+flags.DEFINE_enum("precision", "float32", config_lib.PRECISIONS,
+                  "Compute dtype policy; master weights stay float32. "
+                  "mixed_float16 adds dynamic loss scaling.")
+flags.DEFINE_integer("grad_accum_steps", 1, "Micro-steps of "
+                     "--global_batch_size examples each, summed before one "
+                     "all-reduce and one update (sync mode).", lower_bound=1)
+# -- reliability --
+flags.DEFINE_enum("nonfinite", "raise", config_lib.NONFINITE_POLICIES,
+                  "On a NaN/Inf loss or gradient: raise (stop, naming the "
+                  "step), skip (drop that update on every replica), or "
+                  "rollback (restore the last checkpoint).")
+flags.DEFINE_integer("max_rollbacks", 3, "With --nonfinite=rollback: give up "
+                     "after this many.", lower_bound=0)
+flags.DEFINE_float("grace_period_s", 30.0, "After SIGTERM, seconds to save a "
+                   "checkpoint and exit.", lower_bound=0.1)
+flags.DEFINE_bool("allow_config_change", False, "Resume a workdir even if "
+                  "the model or device layout flags differ from flags.txt.")
 # -- all-reduce --
 flags.DEFINE_integer("allreduce_bytes_per_pack", 0, "Pack gradients into "
                      "chunks of this many bytes for the all-reduce (0: "
                      "TensorFlow decides).", lower_bound=0)
 flags.DEFINE_enum("allreduce_compression", "none", config_lib.COMPRESSIONS,
                   "Cast gradients to this dtype for the all-reduce.")
+# -- pipeline --
+flags.DEFINE_integer("num_stages", 2, "Pipeline stages K (--mode=pipeline); "
+                     "--num_devices=R*K runs R data-parallel pipelines.",
+                     lower_bound=1)
+flags.DEFINE_enum("stage_split", "auto", ["auto", "params", "explicit"],
+                  "How the layers are cut into stages: auto (the model's own "
+                  "split if it declares one, else balance measured time), "
+                  "params (balance parameter counts), explicit "
+                  "(--split_points).")
+flags.DEFINE_string("split_points", "", "For --stage_split=explicit: K-1 "
+                    "increasing layer indices where stages start, e.g. 2,4.")
+flags.DEFINE_integer("num_microbatches", 4, "Micro-batches M per replica "
+                     "batch; use M >= 4K for a small bubble.", lower_bound=1)
+flags.DEFINE_string("pipeline_schedule", "1f1b", "Registered pipeline "
+                    "schedule: gpipe, 1f1b, or one an extension adds.")
+flags.DEFINE_enum("recompute", "never", ["never", "always", "except_last"],
+                  "Recompute each stage's activations in its backward "
+                  "(tf.recompute_grad) instead of keeping them.")
+# -- async --
+flags.DEFINE_integer("async_workers", 0, "Worker threads of --mode=async, "
+                     "each on its own device (round robin) with its own "
+                     "model copy and input shard (0: one per device).",
+                     lower_bound=0)
+flags.DEFINE_integer("max_staleness", -1, "Async and ps: drop gradients more "
+                     "than this many updates stale (-1: no bound).",
+                     lower_bound=-1)
+flags.DEFINE_string("staleness_lr", "none", "Async: registered staleness "
+                    "learning-rate policy: none, inverse (lr / max(1, tau)), "
+                    "or one an extension adds.")
+flags.DEFINE_string("async_compensation", "none", "Async: registered delay "
+                    "compensation: none, dc (DC-ASGD).")
+flags.DEFINE_float("dc_lambda", 0.04, "Async: DC-ASGD strength lambda in "
+                   "g + lambda*g*g*(w_now - w_read).", lower_bound=0.0)
+flags.DEFINE_string("straggler", None, "WORKER:FACTOR makes one worker (async) "
+                    "or replica (sync) FACTOR times slower, e.g. 1:3; for "
+                    "research and benchmarks.")
+# -- multiple processes (TF_CONFIG; see tools/launch.py) --
+flags.DEFINE_float("collective_timeout_s", 120.0, "Multi-worker sync: a "
+                   "collective that waits this long for a peer fails "
+                   "(CommunicationOptions.timeout_seconds); ps: training "
+                   "fails after this long without an applied update.",
+                   lower_bound=0.001)
+flags.DEFINE_integer("ps_steps_per_call", 4, "Ps: steps one scheduled "
+                     "function runs on a worker per call.", lower_bound=1)
 
 
 def _registered(registry):
@@ -83,6 +148,10 @@ def _registered(registry):
 flags.register_validator("dataset", _registered(data.DATASETS))
 flags.register_validator("model", _registered(models.MODELS))
 flags.register_validator("optimizer", _registered(optim.OPTIMIZERS))
+flags.register_validator("staleness_lr",
+                         _registered(async_policies.STALENESS_LR))
+flags.register_validator("async_compensation",
+                         _registered(async_policies.COMPENSATIONS))
 
 
 def _field_names():

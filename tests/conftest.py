@@ -28,6 +28,18 @@ def run_train(*args, timeout=240):
       env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
 
 
+def run_launch(*args, timeout=240):
+  """Runs `python -m tools.launch ARGS` (a local cluster) in a new process.
+
+  The launcher's own `--timeout_s` fires first, so it stops its tasks
+  before the subprocess timeout could orphan them.
+  """
+  return subprocess.run(
+      [sys.executable, "-m", "tools.launch", f"--timeout_s={timeout - 20}",
+       *args], cwd=REPO, capture_output=True, text=True, timeout=timeout,
+      env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+
+
 @pytest.fixture
 def small_config(tmp_path):
   """A factory of tiny, fast Configs in a fresh workdir."""

@@ -6,10 +6,11 @@ These run `python -m experiments.train` in new processes, as users do.
 import glob
 import hashlib
 import os
+import sys
 
 import pytest
 
-from conftest import REPO, run_train
+from conftest import REPO, run_launch, run_train
 import tensorflow as tf
 
 from dist_loop import train
@@ -20,12 +21,31 @@ SHORT_RUN = ["--train_steps=4", "--steps_per_loop=2", "--log_every=2",
              "--eval_every=4", "--checkpoint_every=4"]
 
 
+def launcher_args(flagfile):
+  """A flagfile that needs a cluster says so in its first line,
+  `# launcher: --num_workers=2 --num_ps=1`; it then runs the way its header
+  tells users to run it: `python -m tools.launch ARGS -- python -m
+  experiments.train ...`. Returns ARGS, or None for a one-process flagfile."""
+  with open(flagfile, encoding="utf-8") as f:
+    first = f.readline()
+  if not first.startswith("# launcher:"):
+    return None
+  return first.split(":", 1)[1].split()
+
+
 @pytest.mark.parametrize("flagfile", FLAGFILES, ids=os.path.basename)
 def test_every_flagfile_runs_end_to_end(flagfile, tmp_path):
   workdir = tmp_path / "run"
-  result = run_train(f"--flagfile={flagfile}", f"--workdir={workdir}",
-                     *SHORT_RUN)
-  assert result.returncode == 0, result.stderr[-3000:]
+  args = [f"--flagfile={flagfile}", f"--workdir={workdir}", *SHORT_RUN]
+  launcher = launcher_args(flagfile)
+  if launcher is None:
+    result = run_train(*args)
+    assert result.returncode == 0, result.stderr[-3000:]
+  else:
+    result = run_launch(*launcher, "--", sys.executable, "-m",
+                        "experiments.train", *args)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert glob.glob(str(workdir / "logs" / "*.log"))
   assert glob.glob(str(workdir / "tb" / "events.out.tfevents.*"))
   assert (workdir / "checkpoints" / "checkpoint").exists()
   assert (workdir / "summary.json").exists()
@@ -83,6 +103,7 @@ BAD_INPUT = {
     "missing_mnist": (["--dataset=mnist", "--data_dir=/nonexistent"],
                       "/nonexistent/mnist.npz"),
     "stray_argument": (["oops"], "unexpected arguments: oops"),
+    "ps_without_cluster": (["--mode=ps"], "python -m tools.launch"),
 }
 
 

@@ -1,5 +1,6 @@
 """The real TensorBoard server reads a finished run through its HTTP API."""
 
+import gzip
 import json
 import os
 import socket
@@ -26,7 +27,10 @@ def _get(url, body=None):
   req = urllib.request.Request(url, data=data, headers={
       "Content-Type": "application/json"})
   with urllib.request.urlopen(req, timeout=10) as r:
-    return json.loads(r.read())
+    raw = r.read()
+    if r.headers.get("Content-Encoding") == "gzip":
+      raw = gzip.decompress(raw)
+    return json.loads(raw)
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +40,8 @@ def finished_run(tmp_path_factory):
   train.run(Config(workdir=workdir, dataset="synthetic", model="mlp",
                    num_devices=2, global_batch_size=32, train_steps=10,
                    steps_per_loop=5, log_every=5, eval_every=5,
-                   checkpoint_every=10, histogram_every=5))
+                   checkpoint_every=10, histogram_every=5,
+                   profile_steps="6,8"))
   return workdir
 
 
@@ -97,3 +102,10 @@ def test_histograms_and_graph(server):
   assert any(t.startswith("gradients/") for t in tags)
   info = _get(server + "/data/plugin/graphs/info")
   assert info["tb"]["tags"]["train_step"]["op_graph"]
+
+
+def test_profile_tab_lists_the_profiled_steps(server):
+  listing = _get(server + "/data/plugins_listing")
+  assert listing["profile"]["enabled"]
+  runs = _get(server + "/data/plugin/profile/runs")
+  assert len(runs) == 1 and runs[0].startswith("tb/")

@@ -8,10 +8,11 @@ pipeline mode cut it into stages. A builder is registered under a name:
     def mlp(input_shape, num_classes) -> list[keras.layers.Layer]: ...
 
 A builder may set `builder.image_size = 28` to ask image datasets for inputs
-of that size.
+of that size, and `builder.split_points = {2: (2,)}` to name its preferred cut
+into K pipeline stages (layer indices where stages 2..K start).
 """
 
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 import keras
 
@@ -25,9 +26,29 @@ def image_size_for(model_name: str):
   return getattr(MODELS.get(model_name), "image_size", None)
 
 
-def build(model_name: str, input_shape: Sequence[int],
-          num_classes: int) -> keras.Sequential:
-  """Builds the registered model with its variables created."""
-  layers = MODELS.get(model_name)(tuple(input_shape), num_classes)
+def build(model_name: str, input_shape: Sequence[int], num_classes: int,
+          layer_device: Optional[Callable[[int], str]] = None,
+          precision: str = "float32") -> keras.Sequential:
+  """Builds the registered model with its variables created.
+
+  Args:
+    model_name: a registered model.
+    input_shape: one example's shape.
+    num_classes: logits per example.
+    layer_device: optional `fn(layer_index) -> device`; each layer's
+      variables are created on that device (the pipeline places its stages
+      so). The model and its variable order are the same either way.
+    precision: a Keras dtype policy name for the layers ("mixed_bfloat16":
+      bfloat16 compute, float32 variables).
+  """
+  from dist_loop import precision as precision_lib  # pylint: disable=g-import-not-at-top
+  with precision_lib.policy_scope(precision):
+    layers = MODELS.get(model_name)(tuple(input_shape), num_classes)
+  if layer_device is not None:
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    x = keras.Input(tuple(input_shape))
+    for i, layer in enumerate(layers):
+      with tf.device(layer_device(i)):
+        x = layer(x)  # A symbolic call builds the layer under the device.
   return keras.Sequential([keras.Input(tuple(input_shape))] + list(layers),
                           name=model_name)

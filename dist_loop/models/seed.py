@@ -30,3 +30,5 @@ def cnn(input_shape, num_classes):
 
 
 cnn.image_size = 28
+# The classic model-parallel split: conv+pool | flatten+dense+dense.
+cnn.split_points = {2: (2,)}

@@ -1,6 +1,9 @@
 """Parallel modes. This is the one place where a mode is chosen."""
 
 from dist_loop.modes import sync  # Registers the modes.
+from dist_loop.modes import pipeline  # pylint: disable=unused-import
+from dist_loop.modes import async_mode  # pylint: disable=unused-import
+from dist_loop.modes import ps  # pylint: disable=unused-import
 from dist_loop.modes.base import MODES, Trainer
 
 

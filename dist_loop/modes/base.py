@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from dist_loop.config import Config, check_divisible
 from dist_loop.data import Split
+from dist_loop.errors import UserError
 from dist_loop.registry import Registry
 
 MODES: Registry = Registry("mode", "mode")
@@ -28,7 +29,8 @@ class Trainer(abc.ABC):
       and checkpoints read it.
     optimizer: the optimizer whose slots are checkpointed.
     step: int64 `tf.Variable`, the number of steps applied so far.
-    is_chief: whether this process writes summaries and `summary.json`.
+    is_chief: whether this process writes summaries, `summary.json`,
+      flags.txt and the kept checkpoints.
     examples_per_step: examples consumed by one step, for throughput.
   """
 
@@ -36,22 +38,55 @@ class Trainer(abc.ABC):
   optimizer: keras.optimizers.Optimizer
   step: tf.Variable
   is_chief: bool = True
+  # Whether the mode runs across the tasks of a TF_CONFIG cluster; the others
+  # refuse a TF_CONFIG with several tasks (they would race on the workdir).
+  multi_process: bool = False
 
   @classmethod
   def num_replicas(cls, config: Config) -> int:
     """Data-parallel replicas the global batch is split over."""
     return config.num_devices
 
+  # Capabilities a mode opts into; validate_config refuses the rest.
+  precisions = ("float32",)
+  grad_accumulation = False
+  skips_nonfinite = False  # Can drop a non-finite step (--nonfinite=skip).
+
   @classmethod
   def validate_config(cls, config: Config) -> None:
     """Mode-specific rules, checked before any work. Raises UserError."""
     check_divisible(config.global_batch_size, cls.num_replicas(config))
 
+  @classmethod
+  def check_capabilities(cls, config: Config) -> None:
+    """Refuses features this mode did not opt into, before its own rules."""
+    if config.precision not in cls.precisions:
+      raise UserError(f"--precision={config.precision} is not supported in "
+                      f"--mode={config.mode}; use one of "
+                      f"{', '.join(cls.precisions)}")
+    if config.nonfinite == "skip" and not cls.skips_nonfinite:
+      raise UserError(f"--nonfinite=skip is not supported in --mode="
+                      f"{config.mode}; use --nonfinite=rollback or raise")
+    if config.grad_accum_steps > 1 and not cls.grad_accumulation:
+      raise UserError(f"--grad_accum_steps is not supported in "
+                      f"--mode={config.mode}; use --grad_accum_steps=1, or a "
+                      "larger --global_batch_size")
+
+  @classmethod
+  def join_cluster(cls, config: Config) -> None:
+    """Runs first in a process, before TensorFlow starts its runtime.
+
+    A mode that spans processes joins its cluster here (a
+    MultiWorkerMirroredStrategy must be built before any op runs); a process
+    that only serves (a parameter server) serves here and never returns.
+    The default, for single-process modes, does nothing.
+    """
+
   def __init__(self, config: Config, devices: List[str], split: Split):
     self.config = config
     self.devices = devices
     self.split = split
-    self.examples_per_step = config.global_batch_size
+    self.examples_per_step = config.global_batch_size * config.grad_accum_steps
 
   @abc.abstractmethod
   def train(self, num_steps: int) -> Dict[str, float]:
@@ -71,6 +106,10 @@ class Trainer(abc.ABC):
     """The scope under which eval and restore see the master variables."""
     return tf.distribute.get_strategy().scope()
 
+  def on_restore(self) -> None:
+    """Called after a checkpoint was restored mid-run (a rollback): the
+    input must restart from the restored step."""
+
   def on_master(self, fn, *args):
     """Runs `fn(*args)` where the master variables can be differentiated.
 
@@ -78,6 +117,23 @@ class Trainer(abc.ABC):
     a strategy run `fn` there and return the first replica's result.
     """
     return fn(*args)
+
+  def images(self) -> Dict[str, "np.ndarray"]:
+    """Images to log at log time, name -> HWC uint8 (e.g. a timeline)."""
+    return {}
+
+  def log_scalars(self) -> Dict[str, float]:
+    """Scalars to log as they are at log time (running totals), not averaged
+    over the window like `train`'s metrics."""
+    return {}
+
+  def histograms(self) -> Dict[str, "np.ndarray"]:
+    """Values collected since the last log, written as histograms then."""
+    return {}
+
+  def extra_summary(self) -> Dict[str, object]:
+    """Mode-specific entries merged into summary.json."""
+    return {}
 
   def close(self) -> None:
     """Stops threads and frees devices. Safe to call twice."""

@@ -1,0 +1,108 @@
+"""One async worker: a model copy on its own device, and its gradient step.
+
+A worker's step is a function of (the master weights it read, the version it
+read them at, a batch) -> `Push`. It loads the weights into its own copy,
+computes the gradient of the batch's mean loss there, and returns the
+gradient together with the version and the weights it was computed on (delay
+compensation needs them). No threads and no queue here: the async mode's
+threads call `next_batch` and `compute` in a loop, and the deterministic
+tests call them in whatever order they want to force.
+"""
+
+import dataclasses
+from typing import List, Tuple
+
+import keras
+import tensorflow as tf
+
+from dist_loop import models
+from dist_loop.data import Split, train_dataset_fn
+
+
+@dataclasses.dataclass(frozen=True)
+class Push:
+  """What a worker sends to the applier."""
+
+  worker: int
+  version: int  # The master version the gradient was computed on.
+  grads: List[tf.Tensor]
+  read: List[tf.Tensor]  # The master weights at `version`.
+  loss: tf.Tensor  # Mean loss of the batch at `read`.
+  accuracy: tf.Tensor
+
+
+class Worker:
+  """Worker `index` of `num_workers`, pinned to `device`."""
+
+  def __init__(self, index: int, num_workers: int, device: str, model_name: str,
+               split: Split, batch_size: int, seed: int):
+    self.index = index
+    self.num_workers = num_workers
+    self.device = device
+    self.batch_size = batch_size
+    self.steps = 0  # Gradients computed; written by this worker's thread only.
+    self._split = split
+    self._seed = seed
+    with tf.device(device):
+      self.model = models.build(model_name, split.input_shape,
+                                split.num_classes)
+    self._iterator = None
+    self._step_fn = tf.function(self._step)
+
+  @property
+  def name(self) -> str:
+    return f"async worker {self.index} on {self.device}"
+
+  def start_input(self, start_step: int) -> None:
+    """Opens this worker's input shard at (its) batch `start_step`.
+
+    The global stream is cut into blocks of `num_workers` batches, and worker
+    w takes the w-th batch of every block: the shards are disjoint, and with
+    one worker the stream is exactly the sync mode's.
+    """
+    fn = train_dataset_fn(self._split.train_x, self._split.train_y,
+                          self.batch_size * self.num_workers, self._seed,
+                          start_step=start_step)
+    ctx = tf.distribute.InputContext(num_input_pipelines=self.num_workers,
+                                     input_pipeline_id=self.index,
+                                     num_replicas_in_sync=self.num_workers)
+    self._iterator = iter(fn(ctx))
+
+  def trace(self) -> None:
+    """Traces the step now (call after `start_input`), so that the threads
+    start computing at once instead of tracing side by side."""
+    specs = [tf.TensorSpec(v.shape, v.dtype)
+             for v in self.model.trainable_variables]
+    self._step_fn.get_concrete_function(specs, *self._iterator.element_spec)
+
+  def next_batch(self) -> Tuple[tf.Tensor, tf.Tensor]:
+    if self._iterator is None:
+      self.start_input(0)
+    return next(self._iterator)
+
+  def compute(self, version: int, read: List[tf.Tensor], x, y) -> Push:
+    """The gradient of batch (x, y) at the master weights `read`."""
+    grads, loss, accuracy = self._step_fn(read, x, y)
+    self.steps += 1
+    return Push(self.index, version, grads, read, loss, accuracy)
+
+  # -- the traced step, on this worker's device --
+
+  def _step(self, read, x, y):
+    with tf.device(self.device):
+      variables = self.model.trainable_variables
+      for var, value in zip(variables, read):
+        var.assign(value)
+      with tf.GradientTape() as tape:
+        logits = self.model(x, training=True)
+        per_example = keras.losses.sparse_categorical_crossentropy(
+            y, logits, from_logits=True)
+        loss = tf.reduce_sum(per_example) / self.batch_size
+        if self.model.losses:
+          loss += tf.add_n(self.model.losses)
+      grads = tape.gradient(loss, variables)
+      accuracy = tf.reduce_mean(tf.cast(
+          tf.equal(tf.argmax(logits, -1, output_type=tf.int32),
+                   tf.cast(y, tf.int32)), tf.float32))
+      return grads, loss, accuracy
+

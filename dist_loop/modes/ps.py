@@ -1,0 +1,400 @@
+"""Parameter-server async training: ParameterServerStrategy + coordinator.
+
+The cluster (TF_CONFIG, see `dist_loop.cluster` and `tools/launch.py`) has a
+chief, W workers and P parameter servers. Workers and parameter servers are
+plain `tf.distribute.Server`s (`join_cluster` serves and never returns); the
+chief is the coordinator and the only process that runs this loop:
+
+    chief: train(n)   target = step + n
+      schedule ceil(remaining / K) calls of `_loop(iterator)`,
+      join, repeat until step == target            (K = --ps_steps_per_call)
+    worker (whichever the coordinator picks), one step of `_loop`:
+      v   = step                       the version read at the start
+      g   = grad(batch, weights read from the PSs)
+      tau = step - v                   the version at apply, minus v
+      drop if tau > --max_staleness    (and count it), else
+      t   = fetch_add(step)            this update's exact index
+      apply g if t < target, else give the slot back (the budget is spent)
+
+The version is the number of applied updates, i.e. `step`, as in
+`--mode=async`: dropped gradients do not advance it, so after every applied
+update the next gradient read at the new version is fresh, and the run makes
+progress for any bound and any W. ParameterServerStrategy has no staleness
+bound of its own; this is it.
+
+Counting. Concurrent workers update the PS variables without a lock, and
+read-modify-write counters lose increments: the Keras optimizer's
+`iterations` missed 352 of 500 updates in a trial. `step` moves only through
+`ResourceCountUpTo`, an atomic fetch-and-add under the variable's mutex that
+returns the value before the add, so it counts applied updates exactly and
+gives each one its index in the global order.
+
+Why no lock around check-and-apply: a lock held by a worker that dies would
+stall every other worker. So tau is measured when the worker decides, and an
+update may land while another is being applied; `order_staleness` (t - v,
+the staleness in the exact order of the counter) shows by how much, and is
+reported next to tau.
+
+Data: each worker has its own dataset (`create_per_worker_dataset`). The
+dataset function is traced once and runs on every worker, so it draws its
+shard id from a PS counter (fetch_add again): worker shards are disjoint
+slices of the same global stream as the other modes (`train_dataset_fn`).
+
+Faults: the coordinator re-runs a lost worker's calls on the others, so a
+killed worker only slows training. A lost parameter server loses variables:
+training stops with `ClusterError`, and rerunning the command on a restarted
+cluster resumes from the last checkpoint.
+"""
+
+import math
+import os
+import sys
+import time
+from typing import Dict
+
+import keras
+import numpy as np
+import tensorflow as tf
+from absl import logging
+
+from dist_loop import cluster as cluster_lib
+from dist_loop.cluster import ClusterError
+from dist_loop import models, optim
+from dist_loop.async_ import policies
+from dist_loop.data import train_dataset_fn
+from dist_loop.errors import NonFiniteError, UserError
+from dist_loop.modes.base import MODES, Trainer
+
+TAU_BINS = 64  # Staleness histogram bins; the last one holds tau >= 63.
+_INT64_MAX = 2**63 - 1
+_JOIN_POLL_S = 0.1
+# What a lost task looks like to the coordinator.
+_CLUSTER_ERRORS = (tf.errors.UnavailableError, tf.errors.AbortedError,
+                   tf.errors.CancelledError)
+
+
+def fetch_add(variable: tf.Variable) -> tf.Tensor:
+  """Atomically adds 1 to an int64 resource variable; returns the old value.
+
+  `assign_add(1)` followed by a read is two ops, so two workers can read the
+  same value; `ResourceCountUpTo` increments and returns under the
+  variable's own mutex.
+  """
+  return tf.raw_ops.ResourceCountUpTo(resource=variable.handle,
+                                      limit=_INT64_MAX, T=tf.int64)
+
+
+def _serve(cluster: cluster_lib.Cluster, config) -> None:
+  """Runs this worker or parameter server until the process is stopped."""
+  # A server runs one op per concurrent remote call; with fewer inter-op
+  # threads than workers + 1 the cluster can deadlock (seen in-process).
+  threads = max(config.inter_op_threads, cluster.num_workers + 1)
+  server = tf.distribute.Server(
+      tf.train.ClusterSpec(cluster.as_dict()), job_name=cluster.task_type,
+      task_index=cluster.task_index, protocol="grpc",
+      config=tf.compat.v1.ConfigProto(inter_op_parallelism_threads=threads),
+      start=True)
+  logging.info("serving %s at %s until stopped", cluster.task_name,
+               server.target)
+  try:
+    server.join()
+  except KeyboardInterrupt:
+    sys.exit(130)
+
+
+@MODES.register("ps")
+class PSTrainer(Trainer):
+  """The coordinator's side: schedules K-step calls on the workers."""
+
+  multi_process = True
+
+  @classmethod
+  def num_replicas(cls, config) -> int:
+    return 1  # A step is one worker's batch of --global_batch_size examples.
+
+  @classmethod
+  def validate_config(cls, config) -> None:
+    super().validate_config(config)
+    cluster = cluster_lib.current()
+    if not (cluster.num_ps and cluster.num_workers
+            and cluster_lib.CHIEF in cluster.spec):
+      raise UserError(
+          "--mode=ps needs a cluster of a chief, workers and parameter "
+          "servers: run it as python -m tools.launch --num_workers=2 "
+          "--num_ps=1 -- python -m experiments.train ..., or give each "
+          "host a TF_CONFIG (README, 'Multiple processes and hosts')")
+    if config.num_devices != 1:
+      raise UserError(f"--num_devices={config.num_devices}: --mode=ps runs "
+                      "one replica per worker; use --num_devices=1")
+    if config.max_staleness < policies.NO_BOUND:
+      raise UserError(f"--max_staleness must be >= 0, or -1 for no bound; "
+                      f"got {config.max_staleness}")
+    for name in ("staleness_lr", "async_compensation"):
+      if getattr(config, name) != "none":
+        raise UserError(f"--{name} is a --mode=async policy; --mode=ps "
+                        f"bounds staleness with --max_staleness only: use "
+                        f"--{name}=none")
+    if config.straggler:
+      raise UserError("--straggler is for --mode=sync and --mode=async; "
+                      "slow a ps worker down outside dist_loop")
+
+  @classmethod
+  def join_cluster(cls, config) -> None:
+    # TensorFlow's advice for PS training: a failed RPC fails the call at
+    # once instead of waiting for the peer, so worker failures are detected.
+    os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
+    cluster = cluster_lib.current()
+    if cluster.task_type in (cluster_lib.WORKER, cluster_lib.PS):
+      _serve(cluster, config)
+
+  def __init__(self, config, devices, split):
+    super().__init__(config, devices, split)
+    cluster = cluster_lib.current()
+    self.num_workers = cluster.num_workers
+    self.strategy = tf.distribute.experimental.ParameterServerStrategy(
+        tf.distribute.cluster_resolver.TFConfigClusterResolver())
+    self.coordinator = tf.distribute.coordinator.ClusterCoordinator(
+        self.strategy)
+    with self.strategy.scope():  # Every variable lives on a PS.
+      self.model = models.build(config.model, split.input_shape,
+                                split.num_classes)
+      self.optimizer = optim.make(config.optimizer, config.learning_rate,
+                                  self.model.trainable_variables)
+      self.step = tf.Variable(0, dtype=tf.int64, trainable=False,
+                              name="step")
+      self._shard_counter = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                        name="input_shards")
+      self._target = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                 name="step_budget")
+    self._iterator = None
+    self._start_step = 0  # Where the workers' input starts (set at resume).
+    self._loop = tf.function(self._loop_fn)
+    self._tau_counts = np.zeros(TAU_BINS, np.int64)  # Whole run.
+    self._tau_window = np.zeros(TAU_BINS, np.int64)  # Since the last log.
+    self._dropped = 0
+    self._order_tau_max = 0
+    self._applied_start = None
+    self._train_seconds = 0.0
+
+  def scope(self):
+    return self.strategy.scope()
+
+  # -- on a worker: K steps per scheduled call --
+
+  def _dataset_fn(self):
+    """Worker k of W reads input pipeline k of the global stream."""
+    shard = fetch_add(self._shard_counter) % self.num_workers
+    context = tf.distribute.InputContext(
+        num_input_pipelines=self.num_workers, input_pipeline_id=shard,
+        num_replicas_in_sync=self.num_workers)
+    fn = train_dataset_fn(
+        self.split.train_x, self.split.train_y,
+        self.config.global_batch_size * self.num_workers, self.config.seed,
+        start_step=self._start_step // self.num_workers)
+    return fn(context)
+
+  def _replica_step(self, x, y, target):
+    cfg = self.config
+    variables = self.model.trainable_variables
+    # Read v after this step's batch arrived (loop-variant, so the read is
+    # never hoisted out of the step loop) and before the weights.
+    with tf.control_dependencies([x, y]):
+      read_version = self.step.read_value()
+    with tf.control_dependencies([read_version]):
+      with tf.GradientTape() as tape:
+        logits = self.model(x, training=True)
+        loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(
+            y, logits, from_logits=True))
+        if self.model.losses:
+          loss += tf.add_n(self.model.losses)
+      grads = tape.gradient(loss, variables)
+    finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g))
+                            for g in grads])
+    with tf.control_dependencies(grads):  # The version at apply time.
+      tau = self.step.read_value() - read_version
+    fresh = (tf.constant(cfg.max_staleness < 0)
+             | (tau <= cfg.max_staleness))
+    accept = finite & fresh
+    ticket = tf.cond(accept, lambda: fetch_add(self.step),
+                     lambda: tf.constant(-1, tf.int64))
+    apply = accept & (ticket < target)
+
+    def give_back():  # Another worker took the last slot of this budget.
+      self.step.assign_add(-1)
+      return tf.constant(True)
+
+    tf.cond(accept & ~apply, give_back, lambda: tf.constant(False))
+    optim.apply_reduced(self.optimizer, grads, variables, apply)
+    correct = tf.reduce_mean(tf.cast(
+        tf.equal(tf.argmax(logits, -1, output_type=tf.int32),
+                 tf.cast(y, tf.int32)), tf.float32))
+    return {"loss": loss, "accuracy": correct,
+            "grad_norm": tf.linalg.global_norm(grads), "applied": apply,
+            "dropped": finite & ~fresh, "finite": finite, "tau": tau,
+            "order_tau": ticket - read_version}
+
+  def _loop_fn(self, iterator):
+    target = self._target.read_value()
+    applied = tf.constant(0, tf.int64)
+    dropped = tf.constant(0, tf.int64)
+    nonfinite = tf.constant(0, tf.int64)
+    sums = {"loss": 0.0, "accuracy": 0.0, "grad_norm": 0.0}
+    tau_counts = tf.zeros([TAU_BINS], tf.int64)
+    order_tau_max = tf.constant(0, tf.int64)
+    for _ in tf.range(self.config.ps_steps_per_call):
+      if self.step.read_value() >= target:
+        break
+      x, y = next(iterator)
+      out = self.strategy.run(self._replica_step, args=(x, y, target))
+      out = tf.nest.map_structure(
+          lambda v: self.strategy.experimental_local_results(v)[0], out)
+      ok = tf.cast(out["applied"], tf.int64)
+      applied += ok
+      dropped += tf.cast(out["dropped"], tf.int64)
+      nonfinite += tf.cast(~out["finite"], tf.int64)
+      sums = {k: v + tf.cast(ok, tf.float32) * out[k] for k, v in sums.items()}
+      tau_counts += ok * tf.one_hot(tf.minimum(out["tau"], TAU_BINS - 1),
+                                    TAU_BINS, dtype=tf.int64)
+      order_tau_max = tf.maximum(order_tau_max, ok * out["order_tau"])
+    return {"applied": applied, "dropped": dropped, "nonfinite": nonfinite,
+            "tau_counts": tau_counts, "order_tau_max": order_tau_max, **sums}
+
+  # -- on the chief --
+
+  def train(self, num_steps: int) -> Dict[str, float]:
+    try:
+      return self._train(num_steps)
+    except _CLUSTER_ERRORS as e:
+      raise self._ps_error(e) from None
+
+  def _train(self, num_steps: int) -> Dict[str, float]:
+    start = int(self.step.numpy())
+    if self._applied_start is None:
+      self._applied_start = start
+    if self._iterator is None:  # Built lazily: resumes at the restored step.
+      self._start_step = start
+      dataset = self.coordinator.create_per_worker_dataset(self._dataset_fn)
+      self._iterator = iter(dataset)
+    target = start + num_steps
+    # The budget reaches the workers through a PS variable, set while no call
+    # runs: a scheduled call's only argument is its worker's iterator.
+    self._target.assign(target)
+    totals = {"applied": 0, "dropped": 0, "nonfinite": 0, "loss": 0.0,
+              "accuracy": 0.0, "grad_norm": 0.0}
+    taus = np.zeros(TAU_BINS, np.int64)
+    t0 = time.perf_counter()
+    step = start
+    while step < target:
+      calls = math.ceil((target - step) / self.config.ps_steps_per_call)
+      try:
+        results = [self.coordinator.schedule(self._loop,
+                                             args=(self._iterator,))
+                   for _ in range(calls)]
+        self._wait(step)
+      except KeyboardInterrupt:
+        # Let the scheduled calls finish first, so the checkpoint the
+        # controller saves next is of still variables at the step it names.
+        self._wait(step)
+        raise
+      for result in results:
+        out = result.fetch()
+        for k in totals:
+          totals[k] += out[k].item()
+        taus += out["tau_counts"]
+        self._order_tau_max = max(self._order_tau_max,
+                                  int(out["order_tau_max"]))
+      if totals["nonfinite"]:
+        raise NonFiniteError(int(self.step.numpy()) + 1)
+      step = int(self.step.numpy())
+    seconds = max(time.perf_counter() - t0, 1e-9)
+    self._train_seconds += seconds
+    self._dropped += int(totals["dropped"])
+    self._tau_counts += taus
+    self._tau_window += taus
+    n = max(int(totals["applied"]), 1)
+    values = np.arange(TAU_BINS)
+    return {
+        "train/loss": totals["loss"] / n,
+        "train/accuracy": totals["accuracy"] / n,
+        "train/grad_norm": totals["grad_norm"] / n,
+        "train/learning_rate": float(
+            tf.convert_to_tensor(self.optimizer.learning_rate)),
+        "ps/staleness_mean": float((values * taus).sum() / max(taus.sum(), 1)),
+        "ps/staleness_max": float(values[taus > 0].max() if taus.any()
+                                  else 0),
+        "ps/drops_per_update": int(totals["dropped"]) / n,
+        "ps/updates_per_sec": num_steps / seconds,
+    }
+
+  def _read_step(self) -> int:
+    return self._read(self.step)
+
+  def _read(self, variable) -> int:
+    """A PS-hosted counter's value; a lost PS becomes ClusterError."""
+    try:
+      return int(np.asarray(variable))
+    except _CLUSTER_ERRORS as e:
+      raise self._ps_error(e) from None
+
+  def _wait(self, step: int) -> None:
+    """`coordinator.join()`, bounded by --collective_timeout_s per round.
+
+    Polls `coordinator.done()`, which runs no TensorFlow op: the main thread
+    stays out of the eager runtime while the coordinator's threads use it
+    (concurrent remote ops from here corrupted a request in a trial). A
+    lost worker's calls are re-run on the others, so a round only stalls if
+    every worker is lost; a lost PS makes `done()` raise.
+    """
+    deadline = time.monotonic() + self.config.collective_timeout_s
+    while not self.coordinator.done():
+      if time.monotonic() > deadline:
+        raise ClusterError(
+            f"a round of scheduled calls from step {step} did not finish "
+            f"within --collective_timeout_s={self.config.collective_timeout_s:g}"
+            f": are all {self.num_workers} workers down? Restart them and "
+            "rerun the command to resume from the last checkpoint")
+      time.sleep(_JOIN_POLL_S)
+    self.coordinator.join()  # Returns at once; raises a call's error.
+
+  def _ps_error(self, error) -> ClusterError:
+    return ClusterError(
+        f"a parameter server is unreachable ({cluster_lib.describe(error)}); "
+        "its variables are lost. Restart the cluster and "
+        "rerun the same command: training resumes from the last checkpoint "
+        f"in {self.config.workdir}")
+
+  # -- what the controller logs besides the train metrics --
+
+  def log_scalars(self) -> Dict[str, float]:
+    return {"ps/dropped": float(self._dropped),
+            "ps/applied": float(self._read_step() - self._applied_start
+                                if self._applied_start is not None else 0)}
+
+  def histograms(self) -> Dict[str, np.ndarray]:
+    counts, self._tau_window = self._tau_window, np.zeros(TAU_BINS, np.int64)
+    if not counts.any():
+      return {}
+    return {"ps/staleness": np.repeat(np.arange(TAU_BINS),
+                                      counts).astype(np.float32)}
+
+  def extra_summary(self) -> Dict[str, object]:
+    counts = self._tau_counts
+    applied = int(counts.sum())
+    values = np.arange(TAU_BINS)
+    return {
+        "ps_workers": self.num_workers,
+        "ps_applied": (self._read_step() - self._applied_start
+                       if self._applied_start is not None else 0),
+        "ps_dropped": self._dropped,
+        "ps_max_staleness": self.config.max_staleness,
+        "ps_staleness_mean": (float((values * counts).sum() / applied)
+                              if applied else None),
+        "ps_staleness_max": int(values[counts > 0].max()) if applied else None,
+        "ps_staleness_counts": {str(t): int(c) for t, c in enumerate(counts)
+                                if c},
+        "ps_order_staleness_max": self._order_tau_max,
+        # For comparison only: `step` is what counts (see the docstring).
+        "ps_optimizer_iterations": self._read(self.optimizer.iterations),
+        "ps_updates_per_sec": (applied / self._train_seconds
+                               if self._train_seconds else None),
+    }

@@ -1,0 +1,185 @@
+"""Cutting a model's ordered layer list into K contiguous pipeline stages.
+
+A partition is a list of split points: the layer indices where stages 1..K-1
+start (`--split_points=2,4` gives layers [0,2), [2,4), [4,L)). Three ways to
+choose them (`--stage_split`):
+
+* explicit: the user's `--split_points`;
+* params: balance the parameter count of the stages;
+* auto: the model's own split if its builder declares one for K (the seed
+  CNN: conv+pool | flatten+dense+dense), else balance the measured time of
+  each layer's forward and backward on one micro-batch.
+
+Balancing is the linear-partition problem: choose the cuts that minimise the
+largest stage, solved exactly by dynamic programming over (layers, stages).
+"""
+
+import dataclasses
+import time
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from dist_loop.errors import UserError
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+  """Layers [start, end) of the model, as one pipeline stage."""
+
+  index: int
+  start: int
+  end: int
+  layer_names: Tuple[str, ...]
+  params: int
+  seconds: float  # Measured forward+backward time of one micro-batch.
+
+
+def parse_split_points(text: str) -> List[int]:
+  """`"2,4"` -> [2, 4]. Raises UserError on anything but integers."""
+  try:
+    return [int(p) for p in text.replace(" ", "").split(",") if p]
+  except ValueError:
+    raise UserError(f"--split_points={text!r} must be comma-separated layer "
+                    "indices, e.g. 2,4") from None
+
+
+def check_split_points(points: Sequence[int], num_stages: int,
+                       num_layers: int) -> None:
+  """Raises UserError unless `points` cut `num_layers` into `num_stages`."""
+  points = list(points)
+  if len(points) != num_stages - 1:
+    raise UserError(f"--split_points={','.join(map(str, points))} gives "
+                    f"{len(points) + 1} stages but --num_stages={num_stages}; "
+                    f"give {num_stages - 1} layer indices")
+  bad = [p for p in points if not 1 <= p <= num_layers - 1]
+  if bad:
+    raise UserError(f"--split_points {bad} out of range: the model has "
+                    f"{num_layers} layers, so split points must be in "
+                    f"1..{num_layers - 1}")
+  if any(b <= a for a, b in zip(points, points[1:])):
+    raise UserError(f"--split_points={','.join(map(str, points))} must be "
+                    "strictly increasing")
+
+
+def balance(costs: Sequence[float], num_stages: int) -> List[int]:
+  """Split points that minimise the largest stage's summed cost.
+
+  Args:
+    costs: one non-negative cost per layer, in order.
+    num_stages: K, at most len(costs).
+
+  Returns:
+    K-1 increasing split points; every stage has at least one layer.
+  """
+  n = len(costs)
+  prefix = np.concatenate([[0.0], np.cumsum(costs)])
+  inf = float("inf")
+  # best[k][j]: the smallest max-stage cost of layers [0, j) in k stages.
+  best = np.full((num_stages + 1, n + 1), inf)
+  cut = np.zeros((num_stages + 1, n + 1), dtype=int)
+  best[0][0] = 0.0
+  for k in range(1, num_stages + 1):
+    for j in range(k, n + 1):
+      for i in range(k - 1, j):
+        value = max(best[k - 1][i], prefix[j] - prefix[i])
+        # Ties go to the later cut, so earlier stages take more layers and
+        # parameter-free layers (flatten, pool) stay with what feeds them.
+        if value <= best[k][j]:
+          best[k][j], cut[k][j] = value, i
+  points, j = [], n
+  for k in range(num_stages, 1, -1):
+    j = cut[k][j]
+    points.append(int(j))
+  return sorted(points)
+
+
+def layer_params(layer) -> int:
+  return int(sum(np.prod(v.shape) for v in layer.trainable_variables))
+
+
+def measure_layer_seconds(layers, input_shape, batch_size: int,
+                          repeats: int = 3) -> List[float]:
+  """Forward+backward seconds of each layer on one micro-batch, in order.
+
+  Each layer is run eagerly on random input of the shape its predecessor
+  gives, once to warm up and then `repeats` times; the median is kept. This
+  is rough (eager overhead, one device), but it ranks the layers, which is
+  what balancing needs.
+  """
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  x = tf.random.normal((batch_size,) + tuple(input_shape))
+  seconds = []
+  for layer in layers:
+    def run(x=x, layer=layer):
+      with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = layer(x, training=True)
+      grads = tape.gradient(y, [x] + list(layer.trainable_variables))
+      return y, grads
+
+    y, _ = run()
+    times = []
+    for _ in range(repeats):
+      t0 = time.perf_counter()
+      _, g = run()
+      _ = [gg.numpy() for gg in g if gg is not None]  # Wait for the work.
+      times.append(time.perf_counter() - t0)
+    seconds.append(float(np.median(times)))
+    x = y
+  return seconds
+
+
+def choose(method: str, layers, num_stages: int, split_points_text: str,
+           declared: Optional[dict], input_shape,
+           microbatch_size: int) -> Tuple[List[Stage], str]:
+  """Cuts `layers` into stages as `--stage_split` says.
+
+  Args:
+    method: "auto", "params" or "explicit".
+    layers: the model's built layers, in order.
+    num_stages: K.
+    split_points_text: `--split_points`, for "explicit".
+    declared: the model builder's `split_points` dict ({K: points}), if any.
+    input_shape: one example's shape, for timing the layers.
+    microbatch_size: examples per micro-batch, for timing the layers.
+
+  Returns:
+    The stages, and how the split was chosen (for the log).
+
+  Raises:
+    UserError: the split points do not cut the model into K stages.
+  """
+  n = len(layers)
+  if num_stages > n:
+    raise UserError(f"--num_stages={num_stages} but the model has only {n} "
+                    "layers; use fewer stages")
+  seconds = measure_layer_seconds(layers, input_shape, microbatch_size)
+  params = [layer_params(layer) for layer in layers]
+  if method == "explicit":
+    points, how = parse_split_points(split_points_text), "explicit"
+  elif method == "params":
+    # A small epsilon per layer keeps parameter-free layers from being free.
+    points, how = balance([p + 1e-3 for p in params], num_stages), "params"
+  elif declared and num_stages in declared:
+    points, how = list(declared[num_stages]), "the model's own split"
+  else:
+    points, how = balance(seconds, num_stages), "measured time"
+  check_split_points(points, num_stages, n)
+  bounds = [0] + list(points) + [n]
+  stages = [Stage(k, bounds[k], bounds[k + 1],
+                  tuple(layer.name for layer in layers[bounds[k]:bounds[k + 1]]),
+                  sum(params[bounds[k]:bounds[k + 1]]),
+                  sum(seconds[bounds[k]:bounds[k + 1]]))
+            for k in range(num_stages)]
+  return stages, how
+
+
+def format_partition(stages: Sequence[Stage], devices: Sequence[str]) -> str:
+  """A table of the stages: device, layers, parameters, measured time."""
+  lines = []
+  for s in stages:
+    lines.append(f"  stage {s.index} on {devices[s.index]}: layers "
+                 f"[{s.start}, {s.end}) {', '.join(s.layer_names)}; "
+                 f"{s.params:,} params; {s.seconds * 1e3:.2f} ms/micro-batch")
+  return "\n".join(lines)

@@ -1,0 +1,81 @@
+"""`--straggler=WORKER:FACTOR`: one worker made FACTOR times slower.
+
+A research and benchmarking knob: the slowed worker sleeps (FACTOR - 1) times
+its own measured compute time after each step, so its step takes FACTOR times
+as long wherever that compute time comes from (model, batch, contention). The
+sync mode slows its whole step the same way, because a synchronous step waits
+for its slowest replica; the async mode slows only that worker. Both modes
+parse and check the flag with the functions here, at flag-parse time.
+"""
+
+import dataclasses
+import threading
+import time
+from typing import Optional
+
+from dist_loop.errors import UserError
+
+
+@dataclasses.dataclass(frozen=True)
+class Straggler:
+  """Worker (or replica) `worker` runs `factor` times slower."""
+
+  worker: int
+  factor: float
+
+  def delay(self, worker: int, compute_seconds: float) -> float:
+    """Seconds `worker` should sleep after a step that took `compute_seconds`."""
+    if worker != self.worker:
+      return 0.0
+    return (self.factor - 1.0) * max(compute_seconds, 0.0)
+
+
+def parse(spec: Optional[str]) -> Optional[Straggler]:
+  """`"WORKER:FACTOR"` -> Straggler; None or "" -> None.
+
+  Raises:
+    UserError: the text is not WORKER:FACTOR with WORKER >= 0, FACTOR >= 1.
+  """
+  if not spec:
+    return None
+  usage = (f"--straggler={spec!r} must be WORKER:FACTOR, a worker index and a "
+           "slow-down factor >= 1, e.g. --straggler=1:3")
+  worker, sep, factor = spec.partition(":")
+  if not sep:
+    raise UserError(usage)
+  try:
+    worker_i, factor_f = int(worker), float(factor)
+  except ValueError:
+    raise UserError(usage) from None
+  if worker_i < 0 or not factor_f >= 1.0 or factor_f == float("inf"):
+    raise UserError(usage)
+  return Straggler(worker_i, factor_f)
+
+
+def check(spec: Optional[str], num_workers: int, what: str) -> None:
+  """Parses `spec` and checks its worker index against `num_workers`.
+
+  Args:
+    spec: the --straggler value.
+    num_workers: how many workers (async) or replicas (sync) the run has.
+    what: the noun for the message, e.g. "async workers".
+
+  Raises:
+    UserError: a bad spec, or an index outside [0, num_workers).
+  """
+  straggler = parse(spec)
+  if straggler is not None and straggler.worker >= num_workers:
+    raise UserError(
+        f"--straggler={spec} names worker {straggler.worker}, but the run has "
+        f"{num_workers} {what} (0..{num_workers - 1}); use "
+        f"--straggler={num_workers - 1}:{straggler.factor:g}")
+
+
+def sleep(seconds: float, stop: Optional[threading.Event] = None) -> None:
+  """Sleeps `seconds`, returning early if `stop` is set."""
+  if seconds <= 0:
+    return
+  if stop is None:
+    time.sleep(seconds)
+  else:
+    stop.wait(seconds)

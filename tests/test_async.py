@@ -1,0 +1,175 @@
+"""The async mode with its threads: equivalence, faults, runs, validation."""
+
+import json
+import os
+import threading
+import time
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from dist_loop import UserError, checkpoints, data, devices, models, train
+from dist_loop.errors import Interrupted
+from dist_loop.data import train_dataset_fn
+from dist_loop.modes.async_mode import AsyncTrainer, WorkerFailed
+
+
+def async_threads():
+  return [t.name for t in threading.enumerate()
+          if t.name.startswith("async-") and t.is_alive()]
+
+
+def build(config):
+  split = data.DATASETS.get(config.dataset)(None, config.seed, None)
+  names = devices.configure(config.num_devices, "cpu")
+  keras.utils.set_random_seed(config.seed)
+  return AsyncTrainer(config, names, split), split
+
+
+def test_one_worker_is_sequential_sgd(small_config):
+  config = small_config(mode="async", async_workers=1, optimizer="sgd",
+                        learning_rate=0.1)
+  trainer, split = build(config)
+  reference = models.build(config.model, split.input_shape, split.num_classes)
+  reference.set_weights(trainer.model.get_weights())
+  batches = iter(train_dataset_fn(split.train_x, split.train_y,
+                                  config.global_batch_size, config.seed)(
+                                      tf.distribute.InputContext()))
+  try:
+    for step, chunk in enumerate([1, 1, 1, 3, 2], start=1):
+      trainer.train(chunk)
+      for _ in range(chunk):  # Plain SGD, one batch after the other.
+        x, y = next(batches)
+        with tf.GradientTape() as tape:
+          loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(
+              y, reference(x), from_logits=True))
+        grads = tape.gradient(loss, reference.trainable_variables)
+        for var, grad in zip(reference.trainable_variables, grads):
+          var.assign_sub(config.learning_rate * grad)
+      diff = max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in
+                 zip(trainer.model.trainable_variables,
+                     reference.trainable_variables))
+      assert diff <= 1e-5, f"after train call {step}: {diff}"
+    assert int(trainer.step.numpy()) == 8
+    assert dict(trainer.applier.staleness_counts) == {0: 8}
+  finally:
+    trainer.close()
+  assert not async_threads()
+
+
+def test_zero_staleness_bound_still_makes_progress(small_config):
+  # Each worker has one push in flight and re-reads the master once it is
+  # dealt with, so after a drop it computes on the newest version: at least
+  # one of every W pushes is fresh.
+  config = small_config(mode="async", num_devices=4, max_staleness=0)
+  trainer, _ = build(config)
+  try:
+    trainer.train(12)
+  finally:
+    trainer.close()
+  assert int(trainer.step.numpy()) == 12
+  assert dict(trainer.applier.staleness_counts) == {0: 12}
+
+
+@pytest.mark.parametrize("where", ["worker", "applier"])
+def test_a_failing_thread_stops_training_quickly(small_config, where):
+  config = small_config(mode="async", num_devices=3, train_steps=10**6)
+  trainer, _ = build(config)
+  calls = {"n": 0}
+
+  def boom(*args):
+    calls["n"] += 1
+    if calls["n"] == 3:
+      raise ValueError("boom")
+    return original(*args)
+
+  if where == "worker":
+    original = trainer.workers[1].compute
+    trainer.workers[1].compute = boom
+    name = "async worker 1 on /device:CPU:1"
+  else:
+    original = trainer.applier.offer
+    trainer.applier.offer = boom
+    name = "async applier"
+  t0 = time.monotonic()
+  with pytest.raises(WorkerFailed, match=f"{name} failed: ValueError: boom"):
+    trainer.train(10**6)
+  assert time.monotonic() - t0 < 10
+  assert not async_threads()
+  trainer.close()  # A second close is harmless.
+
+
+def test_ctrl_c_saves_a_checkpoint_and_stops_the_threads(small_config,
+                                                         monkeypatch):
+  config = small_config(mode="async", num_devices=2, train_steps=40)
+  wait = AsyncTrainer._wait_for_tally
+  calls = {"n": 0}
+
+  def interrupt_third_loop(self):
+    calls["n"] += 1
+    if calls["n"] == 3:
+      raise KeyboardInterrupt()
+    return wait(self)
+
+  monkeypatch.setattr(AsyncTrainer, "_wait_for_tally", interrupt_third_loop)
+  with pytest.raises(Interrupted) as info:
+    train.run(config)
+  assert not async_threads()
+  saved = tf.train.latest_checkpoint(os.path.join(config.workdir,
+                                                  "checkpoints"))
+  assert saved.endswith(f"-{info.value.step}")
+
+
+def test_run_logs_staleness_and_resumes_in_sync_mode(small_config, tmp_path):
+  config = small_config(mode="async", num_devices=4, async_workers=4,
+                        train_steps=20, max_staleness=2,
+                        staleness_lr="inverse", async_compensation="dc",
+                        straggler="3:2")
+  summary = train.run(config)
+  assert not async_threads()
+  assert summary["final_step"] == 20
+  assert summary["async_applied"] == 20
+  assert summary["async_workers"] == 4
+  assert summary["async_staleness_max"] <= 2
+  assert sum(summary["async_staleness_counts"].values()) == 20
+  with open(os.path.join(config.workdir, "summary.json")) as f:
+    assert json.load(f)["async_dropped"] == summary["async_dropped"]
+
+  tags = set()
+  for name in os.listdir(os.path.join(config.workdir, "tb")):
+    for event in tf.compat.v1.train.summary_iterator(
+        os.path.join(config.workdir, "tb", name)):
+      tags.update(v.tag for v in event.summary.value)
+  for tag in ("async/staleness", "async/staleness_mean", "async/dropped",
+              "async/updates_per_sec", "async/worker3_steps_per_sec",
+              "train/loss", "eval/accuracy"):
+    assert tag in tags
+
+  # Checkpoints are interchangeable: sync resumes the async run.
+  sync = config.replace(mode="sync", num_devices=2, straggler="1:2",
+                        train_steps=25)
+  assert train.run(sync)["final_step"] == 25
+  assert checkpoints.load_model(sync) is not None
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(straggler="2"), "must be WORKER:FACTOR"),
+    (dict(straggler="1:0.5"), "must be WORKER:FACTOR"),
+    (dict(straggler="4:3"), "use --straggler=3:3"),
+    (dict(straggler="2:3", async_workers=2), "use --straggler=1:3"),
+    (dict(max_staleness=-2), "--max_staleness must be >= 0, or -1"),
+    (dict(staleness_lr="exp"), "registered staleness learning-rate"),
+    (dict(async_compensation="x"), "registered delay compensations: dc"),
+    (dict(async_workers=-1), "--async_workers must be >= 0"),
+])
+def test_bad_async_flags_fail_at_the_door(small_config, overrides, message):
+  with pytest.raises(UserError, match=message):
+    small_config(mode="async", num_devices=4, **overrides).validate()
+
+
+def test_straggler_is_checked_in_sync_mode_too(small_config):
+  small_config(mode="sync", num_devices=2, straggler="1:10").validate()
+  with pytest.raises(UserError, match="2 replicas .* use --straggler=1:10"):
+    small_config(mode="sync", num_devices=2, straggler="2:10").validate()

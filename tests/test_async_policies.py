@@ -1,0 +1,172 @@
+"""The async applier and its policies, driven without threads.
+
+A harness forces a known interleaving (at every tick, worker k = tick mod W
+pushes a gradient computed on master version t - k) on a linear softmax
+model, whose gradient numpy computes exactly. The expected trajectory,
+staleness counts and drops come from a plain numpy re-implementation of the
+rules, so the test checks the applier against the paper formulas, not
+against itself.
+"""
+
+import collections
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from dist_loop import UserError, data, devices, models, optim
+from dist_loop.async_ import policies
+from dist_loop.async_.applier import Applier
+from dist_loop.async_.worker import Push, Worker
+
+LINEAR = "linear_async_test"
+NUM_WORKERS = 4
+BATCH = 16
+LR = 0.5
+
+
+@models.MODELS.register(LINEAR)
+def linear(input_shape, num_classes):
+  del input_shape
+  return [keras.layers.Dense(num_classes, name="logits")]
+
+
+@pytest.fixture(scope="module")
+def split():
+  return data.DATASETS.get("synthetic")(None, 0, None)
+
+
+def make_applier(split, **policy):
+  device = devices.configure(1, "cpu")[0]
+  keras.utils.set_random_seed(0)
+  with tf.device(device):
+    model = models.build(LINEAR, split.input_shape, split.num_classes)
+    optimizer = optim.make("sgd", LR, model.trainable_variables)
+    step = tf.Variable(0, dtype=tf.int64)
+  return Applier(model, optimizer, step, device, **policy)
+
+
+def numpy_grads(weights, x, y):
+  """Gradient of the mean softmax cross-entropy of x @ kernel + bias."""
+  kernel, bias = (np.float64(w) for w in weights)
+  logits = x @ kernel + bias
+  p = np.exp(logits - logits.max(1, keepdims=True))
+  p /= p.sum(1, keepdims=True)
+  p[np.arange(len(y)), y] -= 1.0
+  return [x.T @ p / len(y), p.mean(0)]
+
+
+def expected_run(w0, batches, ticks, max_staleness, lr_policy, dc_lambda):
+  """The rules in numpy: versions, staleness, drops, lr policy, DC."""
+  history = [[np.float64(w) for w in w0]]
+  counts, drops = collections.Counter(), 0
+  for tick in range(ticks):
+    k = tick % NUM_WORKERS
+    t = len(history) - 1
+    v = max(0, t - k)
+    tau = t - v
+    if max_staleness >= 0 and tau > max_staleness:
+      drops += 1
+      continue
+    x, y = batches[tick]
+    grads = numpy_grads(history[v], x, y)
+    grads = [g + dc_lambda * g * g * (now - read)
+             for g, now, read in zip(grads, history[t], history[v])]
+    scale = lr_policy(tau)
+    history.append([w - LR * scale * g for w, g in zip(history[t], grads)])
+    counts[tau] += 1
+  return history[-1], counts, drops
+
+
+def forced_run(applier, workers, ticks):
+  """Drives the real Worker.compute / Applier.offer in the forced order."""
+  history = {0: applier.read()[1]}
+  batches, seen_taus = [], []
+  for tick in range(ticks):
+    k = tick % NUM_WORKERS
+    v = max(0, applier.version - k)
+    x, y = workers[k].next_batch()
+    batches.append((x.numpy().astype(np.float64), y.numpy()))
+    outcome = applier.offer(workers[k].compute(v, history[v], x, y))
+    seen_taus.append(outcome.tau)
+    if outcome.applied:
+      history[applier.version] = applier.read()[1]
+  return batches, seen_taus
+
+
+@pytest.mark.parametrize("max_staleness,lr_name,comp,dc_lambda", [
+    (-1, "none", "none", 0.0),  # Unbounded: tau = min(t, k) every time.
+    (1, "none", "none", 0.0),  # Workers 2 and 3 are dropped once t >= 2.
+    (2, "inverse", "none", 0.0),
+    (-1, "inverse", "dc", 0.5),
+])
+def test_forced_interleaving_gives_exact_variables_and_counts(
+    split, max_staleness, lr_name, comp, dc_lambda):
+  lr_policy = policies.STALENESS_LR.get(lr_name)
+  applier = make_applier(split, max_staleness=max_staleness,
+                         staleness_lr=lr_policy,
+                         compensation=policies.COMPENSATIONS.get(comp),
+                         dc_lambda=dc_lambda)
+  w0 = [np.asarray(v) for v in applier.model.trainable_variables]
+  workers = [Worker(k, NUM_WORKERS, applier.device, LINEAR, split, BATCH, 0)
+             for k in range(NUM_WORKERS)]
+  ticks = 14
+  batches, seen_taus = forced_run(applier, workers, ticks)
+
+  want_w, want_counts, want_drops = expected_run(
+      w0, batches, ticks, max_staleness, lr_policy, dc_lambda)
+  got_w = [np.asarray(v) for v in applier.model.trainable_variables]
+  for got, want in zip(got_w, want_w):
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+  assert max(abs(g - w0_).max() for g, w0_ in zip(got_w, w0)) > 1e-2
+  assert dict(applier.staleness_counts) == dict(want_counts)
+  assert applier.dropped == want_drops
+  applied = sum(want_counts.values())
+  assert applier.version == int(applier.step.numpy()) == applied
+  assert applied + want_drops == ticks
+  if max_staleness >= 0:
+    assert max(applier.staleness_counts) <= max_staleness
+    assert want_drops > 0  # The bound was exercised, not just respected.
+    assert sum(tau > max_staleness for tau in seen_taus) == want_drops
+  else:
+    assert max(applier.staleness_counts) == NUM_WORKERS - 1
+
+
+def test_dc_with_zero_lambda_equals_plain_async(split):
+  def final(comp):
+    applier = make_applier(split, compensation=policies.COMPENSATIONS.get(comp),
+                           dc_lambda=0.0)
+    workers = [Worker(k, NUM_WORKERS, applier.device, LINEAR, split, BATCH, 0)
+               for k in range(NUM_WORKERS)]
+    forced_run(applier, workers, 10)
+    return [np.asarray(v) for v in applier.model.trainable_variables]
+
+  for a, b in zip(final("none"), final("dc")):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_inverse_lr_step_is_exact_for_known_staleness(split):
+  applier = make_applier(split, staleness_lr=policies.inverse)
+  variables = applier.model.trainable_variables
+  zeros = [tf.zeros_like(v) for v in variables]
+  ones = [tf.ones_like(v) for v in variables]
+  stale_version, stale_read = applier.read()
+  for _ in range(4):  # Four fresh updates that do not move the weights.
+    version, read = applier.read()
+    assert applier.offer(Push(0, version, zeros, read, 0.0, 0.0)).tau == 0
+  before = [np.asarray(v) for v in variables]
+  outcome = applier.offer(Push(1, stale_version, ones, stale_read, 0.0, 0.0))
+  assert (outcome.tau, outcome.applied, outcome.lr_scale) == (4, True, 0.25)
+  for got, old in zip(variables, before):  # lr / tau = 0.5 / 4, exactly.
+    np.testing.assert_array_equal(np.asarray(got),
+                                  old - np.float32(LR / 4) * np.float32(1.0))
+
+
+def test_policies_are_small_functions():
+  assert [policies.inverse(t) for t in (0, 1, 2, 4)] == [1.0, 1.0, 0.5, 0.25]
+  assert policies.constant(7) == 1.0
+  assert policies.accepts(5, -1) and policies.accepts(2, 2)
+  assert not policies.accepts(3, 2)
+  with pytest.raises(UserError, match="registered staleness"):
+    policies.STALENESS_LR.get("exp")

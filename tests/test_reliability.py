@@ -1,0 +1,214 @@
+"""Faults: non-finite values, corrupt checkpoints, config drift, signals.
+
+The rule under test: a run never loses more than a checkpoint interval,
+never reads a half-written file, never hangs, and resumes to the same
+variables as a run that was never interrupted.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conftest import REPO
+from dist_loop import checkpoints, train
+from dist_loop.data import pipeline
+from dist_loop.data.base import DATASETS, Split
+from dist_loop.errors import NonFiniteError, UserError
+from dist_loop.modes import sync
+
+NAN_EXAMPLES = 640
+BATCH = 32
+
+
+@DATASETS.register("test_one_nan")
+def _one_nan(data_dir, seed, image_size=None):
+  """Finite data but for example 0, which is NaN."""
+  del data_dir, seed, image_size
+  rng = np.random.RandomState(0)
+  x = rng.randn(NAN_EXAMPLES, 10).astype(np.float32)
+  y = (x[:, 0] > 0).astype(np.int32)
+  x[0] = np.nan
+  return Split(x, y, x[1:65], y[1:65], 10)
+
+
+def _nan_step(seed=0):
+  """The 1-based step whose global batch first holds example 0."""
+  index = np.arange(NAN_EXAMPLES)
+  ds = pipeline.train_dataset_fn(index, index, BATCH, seed)(
+      tf.distribute.InputContext(1, 0, 1))
+  for step, (xb, _) in enumerate(ds.take(NAN_EXAMPLES // BATCH), start=1):
+    if 0 in xb.numpy():
+      return step
+  raise AssertionError("example 0 is in every epoch")
+
+
+def _variables(config):
+  return [np.asarray(v) for v in
+          checkpoints.load_model(config).trainable_variables]
+
+
+def _max_diff(a, b):
+  return max(float(np.abs(x - y).max()) for x, y in zip(a, b))
+
+
+def test_raise_names_the_step(small_config):
+  k = _nan_step()
+  cfg = small_config(dataset="test_one_nan", num_devices=2, train_steps=20,
+                     global_batch_size=BATCH)
+  with pytest.raises(NonFiniteError, match=f"at step {k}\\b"):
+    train.run(cfg)
+
+
+def test_skip_drops_the_step_on_every_replica(small_config):
+  cfg = small_config(dataset="test_one_nan", num_devices=2, train_steps=20,
+                     global_batch_size=BATCH, nonfinite="skip")
+  summary = train.run(cfg)
+  assert summary["final_step"] == 20
+  assert summary["skipped_steps"] == 1
+  assert all(np.isfinite(v).all() for v in _variables(cfg))
+
+
+def test_rollback_gives_up_after_max_rollbacks(small_config):
+  # The NaN is in the data, so every replay meets it again.
+  cfg = small_config(dataset="test_one_nan", train_steps=20,
+                     global_batch_size=BATCH, nonfinite="rollback",
+                     max_rollbacks=2, checkpoint_every=2, steps_per_loop=2,
+                     log_every=2)
+  with pytest.raises(UserError, match="after 2 rollbacks"):
+    train.run(cfg)
+
+
+def test_transient_nonfinite_rollback_equals_uninterrupted(
+    small_config, tmp_path, monkeypatch):
+  common = dict(train_steps=12, checkpoint_every=4, steps_per_loop=2,
+                log_every=2, optimizer="adam", learning_rate=0.01,
+                nonfinite="rollback")
+  clean = small_config(workdir=str(tmp_path / "clean"), **common)
+  train.run(clean)
+  original = sync.SyncTrainer.train
+  calls = []
+
+  def flaky(self, n):  # The 4th inner loop (steps 7-8) "overflows" once.
+    calls.append(n)
+    if len(calls) == 4:
+      self.train_real = original(self, n)
+      raise NonFiniteError(int(self.step.numpy()))
+    return original(self, n)
+
+  monkeypatch.setattr(sync.SyncTrainer, "train", flaky)
+  faulty = small_config(workdir=str(tmp_path / "faulty"), **common)
+  summary = train.run(faulty)
+  assert summary["rollbacks"] == 1 and summary["final_step"] == 12
+  assert _max_diff(_variables(clean), _variables(faulty)) <= 1e-6
+
+
+def test_corrupt_latest_checkpoint_falls_back(small_config, tmp_path):
+  common = dict(optimizer="adam", learning_rate=0.01, checkpoint_every=2,
+                steps_per_loop=2, log_every=2, max_checkpoints=5)
+  whole = small_config(workdir=str(tmp_path / "whole"), train_steps=8,
+                       **common)
+  train.run(whole)
+  part = small_config(workdir=str(tmp_path / "part"), train_steps=6, **common)
+  train.run(part)
+  data_file = os.path.join(part.workdir, "checkpoints",
+                           "ckpt-6.data-00000-of-00001")
+  with open(data_file, "r+b") as f:
+    f.truncate(os.path.getsize(data_file) // 2)
+  summary = train.run(part.replace(train_steps=8))  # Resumes from step 4.
+  assert summary["final_step"] == 8
+  assert _max_diff(_variables(whole), _variables(part)) <= 1e-6
+
+
+def test_every_checkpoint_corrupt_is_a_clear_error(small_config):
+  cfg = small_config(train_steps=4, checkpoint_every=2, steps_per_loop=2,
+                     log_every=2)
+  train.run(cfg)
+  directory = os.path.join(cfg.workdir, "checkpoints")
+  for name in os.listdir(directory):
+    if ".data-" in name:
+      with open(os.path.join(directory, name), "r+b") as f:
+        f.truncate(3)
+  with pytest.raises(UserError, match="no readable checkpoint"):
+    train.run(cfg.replace(train_steps=6))
+
+
+def test_layout_change_is_refused_unless_allowed(small_config):
+  cfg = small_config(train_steps=2, steps_per_loop=2, log_every=2)
+  train.run(cfg)
+  with open(os.path.join(cfg.workdir, "flags.txt")) as f:
+    before = f.read()
+  with pytest.raises(UserError, match="--num_devices: 1 -> 2"):
+    train.run(cfg.replace(num_devices=2, train_steps=4))
+  with open(os.path.join(cfg.workdir, "flags.txt")) as f:
+    assert f.read() == before  # Refused before touching anything.
+  summary = train.run(cfg.replace(num_devices=2, train_steps=4,
+                                  allow_config_change=True))
+  assert summary["final_step"] == 4
+  # Other flags (here the schedule) may change freely.
+  train.run(cfg.replace(num_devices=2, train_steps=6, log_every=3,
+                        allow_config_change=True).replace(
+                            allow_config_change=False))
+
+
+def _start(workdir, *extra):
+  args = [sys.executable, "-m", "experiments.train", "--dataset=synthetic",
+          "--model=mlp", "--global_batch_size=32", "--optimizer=adam",
+          "--steps_per_loop=5", "--log_every=5", "--checkpoint_every=25",
+          "--eval_every=1000", "--deterministic", f"--workdir={workdir}",
+          *extra]
+  return subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True,
+                          env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+
+
+def _wait_for_checkpoint(workdir, timeout=120):
+  index = os.path.join(workdir, "checkpoints", "checkpoint")
+  deadline = time.time() + timeout
+  while not os.path.exists(index):
+    assert time.time() < deadline, "no checkpoint appeared"
+    time.sleep(0.2)
+
+
+def test_sigterm_saves_and_exits_then_resumes(tmp_path):
+  workdir = tmp_path / "run"
+  proc = _start(workdir, "--train_steps=1000000", "--grace_period_s=20")
+  _wait_for_checkpoint(workdir)
+  proc.send_signal(signal.SIGTERM)
+  out, err = proc.communicate(timeout=30)
+  assert proc.returncode == 143, err[-2000:]
+  assert "Traceback" not in err
+  step = int(err.split("SIGTERM at step ")[1].split(";")[0])
+  assert step > 0 and step % 5 == 0
+  assert tf.train.latest_checkpoint(str(workdir / "checkpoints")).endswith(
+      f"ckpt-{step}")
+  resumed = _start(workdir, f"--train_steps={step + 5}", "--grace_period_s=20")
+  out, err = resumed.communicate(timeout=120)
+  assert resumed.returncode == 0, err[-2000:]
+  assert f"ckpt-{step}" in err and f"done: step {step + 5}" in out
+
+
+def test_sigkill_then_resume_equals_uninterrupted(tmp_path, small_config):
+  steps = 150
+  killed = tmp_path / "killed"
+  proc = _start(killed, f"--train_steps={steps}")
+  _wait_for_checkpoint(killed)
+  proc.kill()  # SIGKILL: no handler, no cleanup, maybe mid-write.
+  proc.communicate(timeout=30)
+  resumed = _start(killed, f"--train_steps={steps}")
+  out, err = resumed.communicate(timeout=180)
+  assert resumed.returncode == 0, err[-2000:]
+  assert "Resumed from" in err
+  whole = tmp_path / "whole"
+  proc = _start(whole, f"--train_steps={steps}")
+  out, err = proc.communicate(timeout=180)
+  assert proc.returncode == 0, err[-2000:]
+  cfg = small_config(global_batch_size=32, optimizer="adam")
+  a = _variables(cfg.replace(workdir=str(killed)))
+  b = _variables(cfg.replace(workdir=str(whole)))
+  assert _max_diff(a, b) == 0.0

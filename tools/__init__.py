@@ -1,0 +1,1 @@
+"""Developer tools: benchmarks that are not tests."""

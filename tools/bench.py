@@ -1,0 +1,87 @@
+r"""All benchmarks, side by side in one process run.
+
+    python -m tools.bench --suite=all --out=bench.json [--quick]
+
+`--suite` takes a comma-separated list of: overhead (our sync loop against
+Keras fit and a bare loop), mfu (training FLOP/s against the matmul peak),
+data_parallel (1/2/4 devices, packing, compression), async (stragglers),
+pipeline (micro-batches and schedules), or `all`. Prints a markdown table per
+suite and writes everything, with the machine it ran on, to `--out` as JSON.
+`--quick` uses tiny sizes: a smoke run of the harness, not numbers to quote.
+Benchmarks are not tests: the test suite asserts no timing.
+"""
+
+import importlib
+import os
+import platform
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from absl import app, flags  # pylint: disable=g-import-not-at-top
+
+from dist_loop import devices  # pylint: disable=g-import-not-at-top
+from dist_loop.files import atomic_write_json  # pylint: disable=g-import-not-at-top
+
+SUITES = {  # name -> module with run(quick) -> {"rows": [...], "table": str}
+    "overhead": "tools.benchmarks.overhead",
+    "mfu": "tools.benchmarks.mfu",
+    "data_parallel": "tools.benchmarks.data_parallel",
+    "async": "tools.benchmarks.async_bench",
+    "pipeline": "tools.benchmarks.pipeline_bench",
+}
+# The in-process suites share one TensorFlow runtime: start it with enough
+# logical devices for all of them (the pipeline suite runs in subprocesses).
+NUM_DEVICES = 4
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("suite", ["all"], "Suites to run: all, or any of "
+                  + ", ".join(SUITES) + ".")
+flags.DEFINE_string("out", "bench.json", "Where the JSON results go.")
+flags.DEFINE_bool("quick", False, "Tiny sizes: checks the harness only.")
+
+
+@flags.validator("suite", message="unknown suite; choose from all, "
+                 + ", ".join(SUITES))
+def _known(names):
+  return all(n == "all" or n in SUITES for n in names)
+
+
+def machine() -> dict:
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  return {"platform": platform.platform(), "processor": platform.processor(),
+          "cpu_count": os.cpu_count(), "python": platform.python_version(),
+          "tensorflow": tf.__version__,
+          "gpus": len(tf.config.list_physical_devices("GPU")),
+          "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
+def run_suites(names, quick: bool) -> dict:
+  """Runs the named suites in order; returns the JSON-able results."""
+  devices.configure(NUM_DEVICES, "cpu")
+  names = list(SUITES) if "all" in names else names
+  results = {"machine": machine(), "quick": quick, "suites": {}}
+  for name in names:
+    t0 = time.time()
+    out = importlib.import_module(SUITES[name]).run(quick=quick)
+    results["suites"][name] = {"rows": out["rows"], "table": out["table"],
+                               "seconds": time.time() - t0}
+  return results
+
+
+def main(argv):
+  del argv
+  results = run_suites(FLAGS.suite, FLAGS.quick)
+  m = results["machine"]
+  print(f"# dist_loop benchmarks ({m['date']}; {m['cpu_count']} cores, "
+        f"{m['gpus']} GPUs, TensorFlow {m['tensorflow']})\n")
+  for name, suite in results["suites"].items():
+    print(f"## {name} ({suite['seconds']:.0f} s)\n\n{suite['table']}\n")
+  atomic_write_json(FLAGS.out, results)
+  print(f"wrote {FLAGS.out}")
+  sys.stdout.flush()
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,139 @@
+r"""Framework overhead: dist_loop's sync step against Keras fit and a bare loop.
+
+    python -m tools.benchmarks.overhead [--quick]
+
+The seed CNN on digits, on 1 and 2 logical devices under MirroredStrategy,
+the same global batch and the same input pipeline, with `steps_per_execution`
+of fit equal to our `steps_per_loop`. Three loops:
+
+* dist_loop: `SyncTrainer.train(steps_per_loop)`, as the controller calls it
+  (explicit all-reduce, metrics, the non-finite guard);
+* keras_fit: `model.fit` with the same model, strategy and data;
+* bare: the least a hand-written loop can do: `strategy.run` of
+  forward/backward/`optimizer.apply` in a `tf.function` over `tf.range`, no
+  metrics, no guard. It is the limit.
+
+All three are timed side by side, interleaved, in one process.
+"""
+
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # pylint: disable=g-import-not-at-top
+import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+from dist_loop import Config, data, devices, models, optim  # pylint: disable=g-import-not-at-top
+from dist_loop import strategy as strategy_lib  # pylint: disable=g-import-not-at-top
+from dist_loop.data import pipeline  # pylint: disable=g-import-not-at-top
+from dist_loop.modes import build_trainer  # pylint: disable=g-import-not-at-top
+from tools.benchmarks.common import interleaved_medians, markdown_table  # pylint: disable=g-import-not-at-top
+
+GLOBAL_BATCH = 64
+STEPS_PER_LOOP = 20
+LEARNING_RATE = 1e-3
+
+
+def _config(num_devices):
+  return Config(workdir="/tmp/unused", dataset="digits", model="cnn",
+                num_devices=num_devices, global_batch_size=GLOBAL_BATCH,
+                optimizer="adam", learning_rate=LEARNING_RATE,
+                steps_per_loop=STEPS_PER_LOOP).validate()
+
+
+def _dist_loop(names, split, loops):
+  trainer = build_trainer(_config(len(names)), names, split)
+  trainer.train(STEPS_PER_LOOP)  # Traces.
+
+  def run():
+    for _ in range(loops):
+      trainer.train(STEPS_PER_LOOP)
+  return run
+
+
+def fit_steps_per_execution(num_devices):
+  """Keras 3.15 fit fails with steps_per_execution > 1 under a
+  MirroredStrategy of several replicas ("You must feed a value for
+  placeholder tensor", keras-team/keras#19246): there it gets 1."""
+  return STEPS_PER_LOOP if num_devices == 1 else 1
+
+
+def _keras_fit(names, split, loops):
+  strategy = strategy_lib.mirrored(names)
+  fn = pipeline.train_dataset_fn(split.train_x, split.train_y, GLOBAL_BATCH,
+                                 seed=0)
+  # The same stream, batched to the global batch: fit splits it itself.
+  dataset = fn(tf.distribute.InputContext(1, 0, 1))
+  with strategy.scope():
+    model = models.build("cnn", split.input_shape, split.num_classes)
+    model.compile(optimizer=keras.optimizers.Adam(LEARNING_RATE),
+                  loss=keras.losses.SparseCategoricalCrossentropy(
+                      from_logits=True),
+                  metrics=["accuracy"],
+                  steps_per_execution=fit_steps_per_execution(len(names)))
+  model.fit(dataset, epochs=1, steps_per_epoch=2 * STEPS_PER_LOOP, verbose=0)
+
+  def run():
+    model.fit(dataset, epochs=1, steps_per_epoch=loops * STEPS_PER_LOOP,
+              verbose=0)
+  return run
+
+
+def _bare(names, split, loops):
+  strategy = strategy_lib.mirrored(names)
+  with strategy.scope():
+    model = models.build("cnn", split.input_shape, split.num_classes)
+    optimizer = optim.make("adam", LEARNING_RATE, model.trainable_variables)
+  fn = pipeline.train_dataset_fn(split.train_x, split.train_y, GLOBAL_BATCH,
+                                 seed=0)
+  iterator = iter(strategy.distribute_datasets_from_function(fn))
+
+  def replica_step(x, y):
+    with tf.GradientTape() as tape:
+      logits = model(x, training=True)
+      loss = tf.reduce_sum(keras.losses.sparse_categorical_crossentropy(
+          y, logits, from_logits=True)) / GLOBAL_BATCH
+    grads = tape.gradient(loss, model.trainable_variables)
+    optimizer.apply(grads, model.trainable_variables)  # Reduces them itself.
+
+  @tf.function
+  def loop(n):
+    for _ in tf.range(n):
+      strategy.run(replica_step, args=next(iterator))
+
+  loop(tf.constant(STEPS_PER_LOOP))
+
+  def run():
+    for _ in range(loops):
+      loop(tf.constant(STEPS_PER_LOOP))
+  return run
+
+
+def run(quick: bool = False) -> dict:
+  """Examples/sec of the three loops on 1 and 2 devices, and their ratios."""
+  names = devices.configure(2, "cpu")
+  split = data.DATASETS.get("digits")(None, 0, models.image_size_for("cnn"))
+  loops, rounds = (2, 1) if quick else (10, 5)
+  examples = loops * STEPS_PER_LOOP * GLOBAL_BATCH
+  rows = []
+  for n in (1, 2):
+    variants = {name: build(names[:n], split, loops) for name, build in
+                (("dist_loop", _dist_loop), ("keras_fit", _keras_fit),
+                 ("bare", _bare))}
+    seconds = interleaved_medians(variants, rounds)
+    rate = {k: examples / v for k, v in seconds.items()}
+    rows.append({"devices": n, "steps_per_loop": STEPS_PER_LOOP,
+                 "fit steps_per_execution": fit_steps_per_execution(n),
+                 "dist_loop ex/s": rate["dist_loop"],
+                 "keras_fit ex/s": rate["keras_fit"],
+                 "bare ex/s": rate["bare"],
+                 "vs fit": rate["dist_loop"] / rate["keras_fit"],
+                 "vs bare": rate["dist_loop"] / rate["bare"]})
+  columns = ["devices", "fit steps_per_execution", "dist_loop ex/s", "keras_fit ex/s", "bare ex/s",
+             "vs fit", "vs bare"]
+  return {"rows": rows, "table": markdown_table(rows, columns)}
+
+
+if __name__ == "__main__":
+  print(run(quick="--quick" in sys.argv)["table"])
