@@ -1,3 +1,5 @@
 """Research extensions: each module registers a model, dataset, optimizer,
 mode, policy or schedule. Importing this package makes them selectable by
 flag; the library itself is not edited."""
+
+from experiments.extensions import residual_cnn  # pylint: disable=unused-import

@@ -1,0 +1,28 @@
+"""tools.compare reads finished runs into one table and one plot."""
+
+import pytest
+
+from dist_loop import train
+from tools import compare
+
+
+def test_compare_two_runs(small_config, tmp_path):
+  a = small_config(workdir=str(tmp_path / "one_device"), train_steps=10)
+  b = small_config(workdir=str(tmp_path / "two_devices"), num_devices=2,
+                   train_steps=10)
+  train.run(a)
+  train.run(b)
+  runs = [compare.load_run(a.workdir), compare.load_run(b.workdir)]
+  assert [p[1] for p in runs[0]["curves"]["train/loss"]] == [5, 10]
+  assert [p[1] for p in runs[1]["curves"]["eval/accuracy"]] == [10]
+  text = compare.table(runs)
+  assert "| one_device | sync | 1 | 10 |" in text
+  assert "| two_devices | sync | 2 | 10 |" in text
+  png = tmp_path / "compare.png"
+  compare.plot(runs, str(png))
+  assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_directory_that_is_not_a_run_is_named(tmp_path):
+  with pytest.raises(compare.RunError, match="no summary.json"):
+    compare.load_run(str(tmp_path))

@@ -1,0 +1,128 @@
+r"""Compare finished runs: one table, one plot.
+
+    python -m tools.compare runs/sync runs/async runs/pipeline \
+        [--plot=compare.png] [--json=compare.json]
+
+For each WORKDIR it reads `summary.json` (final metrics, throughput, and the
+mode's own statistics such as staleness or bubble) and the TensorBoard event
+files in WORKDIR/tb (the curves). It prints a markdown table of the final
+numbers and writes a PNG with loss and accuracy against step and against
+wall time (seconds since the run's first logged point).
+"""
+
+import json
+import os
+import sys
+from typing import Dict, List
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from absl import app, flags  # pylint: disable=g-import-not-at-top
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("plot", "compare.png", "Where the PNG plot goes ('' for "
+                    "none).")
+flags.DEFINE_string("json", "", "Optional: also write the table as JSON.")
+
+CURVES = ("train/loss", "eval/loss", "train/accuracy", "eval/accuracy")
+# Columns that every run has, then whatever mode-specific statistics exist.
+BASE_COLUMNS = ("mode", "num_devices", "final_step", "train_loss",
+                "eval_loss", "eval_accuracy", "examples_per_sec",
+                "wall_time_s")
+
+
+class RunError(Exception):
+  """A workdir that is not a finished run."""
+
+
+def load_run(workdir: str) -> Dict:
+  """summary.json and the scalar curves of one run."""
+  path = os.path.join(workdir, "summary.json")
+  if not os.path.isfile(path):
+    raise RunError(f"{workdir} has no summary.json: is it a finished "
+                   "dist_loop run?")
+  with open(path) as f:
+    summary = json.load(f)
+  return {"name": os.path.basename(os.path.normpath(workdir)),
+          "summary": summary, "curves": read_curves(os.path.join(workdir, "tb"))}
+
+
+def read_curves(logdir: str) -> Dict[str, List]:
+  """{tag: [(wall_time, step, value), ...]} for the scalar tags in CURVES."""
+  from tensorboard.backend.event_processing import event_accumulator as ea  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  acc = ea.EventAccumulator(logdir, size_guidance={ea.TENSORS: 0})
+  acc.Reload()
+  tags = set(acc.Tags().get("tensors", []))
+  return {tag: [(e.wall_time, e.step, float(tf.make_ndarray(e.tensor_proto)))
+                for e in acc.Tensors(tag)] for tag in CURVES if tag in tags}
+
+
+def table(runs: List[Dict]) -> str:
+  extra = sorted({k for r in runs for k, v in r["summary"].items()
+                  if k not in BASE_COLUMNS and isinstance(v, (int, float))})
+  columns = ["run", *BASE_COLUMNS, *extra]
+
+  def cell(v):
+    if isinstance(v, float):
+      return f"{v:.4g}"
+    return "" if v is None else str(v)
+
+  lines = ["| " + " | ".join(columns) + " |",
+           "| " + " | ".join("---" for _ in columns) + " |"]
+  for r in runs:
+    values = {"run": r["name"], **r["summary"]}
+    lines.append("| " + " | ".join(cell(values.get(c)) for c in columns)
+                 + " |")
+  return "\n".join(lines)
+
+
+def plot(runs: List[Dict], path: str) -> None:
+  """Loss and accuracy against step (top) and wall time (bottom)."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+  for col, metric in enumerate(("loss", "accuracy")):
+    for row, x_axis in enumerate(("step", "wall time (s)")):
+      ax = axes[row][col]
+      for i, r in enumerate(runs):
+        for split, style in (("train", "-"), ("eval", "--")):
+          points = r["curves"].get(f"{split}/{metric}", [])
+          if not points:
+            continue
+          t0 = min(p[0] for p in r["curves"].get("train/loss", points))
+          xs = [p[1] if row == 0 else p[0] - t0 for p in points]
+          ax.plot(xs, [p[2] for p in points], style, color=f"C{i}",
+                  label=f"{r['name']} {split}")
+      ax.set_xlabel(x_axis)
+      ax.set_ylabel(metric)
+      ax.grid(alpha=0.3)
+  axes[0][0].legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+def main(argv):
+  workdirs = argv[1:]
+  if not workdirs:
+    raise app.UsageError("give one or more run workdirs")
+  try:
+    runs = [load_run(w) for w in workdirs]
+  except RunError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 1
+  print(table(runs))
+  if FLAGS.plot:
+    plot(runs, FLAGS.plot)
+    print(f"plot: {FLAGS.plot}")
+  if FLAGS.json:
+    with open(FLAGS.json, "w") as f:
+      json.dump([{"run": r["name"], **r["summary"]} for r in runs], f,
+                indent=2)
+  return 0
+
+
+if __name__ == "__main__":
+  app.run(main)
