@@ -149,7 +149,7 @@ def test_run_logs_staleness_and_resumes_in_sync_mode(small_config, tmp_path):
 
   # Checkpoints are interchangeable: sync resumes the async run.
   sync = config.replace(mode="sync", num_devices=2, straggler="1:2",
-                        train_steps=25)
+                        train_steps=25, allow_config_change=True)
   assert train.run(sync)["final_step"] == 25
   assert checkpoints.load_model(sync) is not None
 

@@ -15,8 +15,9 @@ import tensorflow as tf
 
 from dist_loop import train
 
-FLAGFILES = sorted(glob.glob(os.path.join(REPO, "experiments", "configs",
-                                          "*.flags")))
+FLAGFILES = sorted(
+    glob.glob(os.path.join(REPO, "experiments", "configs", "*.flags"))
+    + glob.glob(os.path.join(REPO, "experiments", "extensions", "*.flags")))
 SHORT_RUN = ["--train_steps=4", "--steps_per_loop=2", "--log_every=2",
              "--eval_every=4", "--checkpoint_every=4"]
 

@@ -1,0 +1,78 @@
+"""The worked examples of experiments/extensions: each plugs in by
+registration alone, and behaves as its docstring says."""
+
+import numpy as np
+import pytest
+
+import experiments.extensions  # pylint: disable=unused-import
+from dist_loop import checkpoints, train
+from dist_loop.async_ import policies
+from dist_loop.models import MODELS
+from dist_loop.pipeline import schedule as schedule_lib
+from experiments.extensions import eager_1f1b, exp_staleness, residual_cnn
+
+
+def _variables(config):
+  train.run(config)
+  return [np.asarray(v) for v in
+          checkpoints.load_model(config).trainable_variables]
+
+
+def _max_diff(a, b):
+  return max(float(np.abs(x - y).max()) for x, y in zip(a, b))
+
+
+def test_each_extension_is_registered_under_its_flag_value():
+  assert MODELS.get("residual_cnn") is residual_cnn.residual_cnn
+  assert policies.STALENESS_LR.get("exp") is exp_staleness.exponential
+  assert schedule_lib.SCHEDULES.get("eager_1f1b") is eager_1f1b.eager_1f1b
+
+
+def test_exponential_staleness_halves_per_version():
+  assert [exp_staleness.exponential(t) for t in range(4)] == [
+      1.0, 0.5, 0.25, 0.125]
+
+
+def test_eager_1f1b_order_and_memory():
+  sched = schedule_lib.make("eager_1f1b", 2, 4)
+  assert [" ".join(map(str, s)) for s in sched] == [
+      "F0 F1 F2 B0 F3 B1 B2 B3",  # One forward more than 1F1B's warm-up.
+      "F0 B0 F1 B1 F2 B2 F3 B3",
+  ]
+  for k_stages, m in ((2, 4), (3, 6), (4, 8), (4, 2)):
+    sched = schedule_lib.make("eager_1f1b", k_stages, m)  # Validates it.
+    for k, actions in enumerate(sched):
+      assert schedule_lib.peak_activations(actions) <= min(
+          k_stages - k + 1, m)
+
+
+def test_residual_cnn_in_four_stages_with_eager_1f1b_equals_sync(
+    small_config, tmp_path):
+  common = dict(dataset="digits", model="residual_cnn", optimizer="adam",
+                learning_rate=0.003, global_batch_size=16, train_steps=3,
+                steps_per_loop=3, log_every=3)
+  sync = _variables(small_config(workdir=str(tmp_path / "sync"), **common))
+  piped = _variables(small_config(
+      workdir=str(tmp_path / "pipe"), mode="pipeline", num_devices=4,
+      num_stages=4, stage_split="explicit", split_points="2,4,6",
+      num_microbatches=4, pipeline_schedule="eager_1f1b", **common))
+  assert _max_diff(sync, piped) <= 1e-5
+  start = _variables(small_config(workdir=str(tmp_path / "start"),
+                                  **{**common, "train_steps": 1}))
+  assert _max_diff(sync, start) > 1e-3
+
+
+def test_async_applies_the_exponential_policy(small_config, monkeypatch):
+  taus = []
+
+  def spy(tau):
+    taus.append(tau)
+    return exp_staleness.exponential(tau)
+
+  monkeypatch.setitem(policies.STALENESS_LR._entries, "exp", spy)  # pylint: disable=protected-access
+  summary = train.run(small_config(mode="async", num_devices=2,
+                                   async_workers=2, staleness_lr="exp",
+                                   max_staleness=4, train_steps=20))
+  assert summary["final_step"] == 20
+  # Consulted for every applied update, with the staleness it had.
+  assert len(taus) >= 20 and all(0 <= t <= 4 for t in taus[:20])
