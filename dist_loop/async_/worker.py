@@ -35,7 +35,8 @@ class Worker:
   """Worker `index` of `num_workers`, pinned to `device`."""
 
   def __init__(self, index: int, num_workers: int, device: str, model_name: str,
-               split: Split, batch_size: int, seed: int):
+               split: Split, batch_size: int, seed: int,
+               precision: str = "float32"):
     self.index = index
     self.num_workers = num_workers
     self.device = device
@@ -45,7 +46,7 @@ class Worker:
     self._seed = seed
     with tf.device(device):
       self.model = models.build(model_name, split.input_shape,
-                                split.num_classes)
+                                split.num_classes, precision=precision)
     self._iterator = None
     self._step_fn = tf.function(self._step)
 
@@ -94,7 +95,7 @@ class Worker:
       for var, value in zip(variables, read):
         var.assign(value)
       with tf.GradientTape() as tape:
-        logits = self.model(x, training=True)
+        logits = tf.cast(self.model(x, training=True), tf.float32)
         per_example = keras.losses.sparse_categorical_crossentropy(
             y, logits, from_logits=True)
         loss = tf.reduce_sum(per_example) / self.batch_size

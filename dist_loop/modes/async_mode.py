@@ -85,6 +85,10 @@ class _Tally:
 class AsyncTrainer(Trainer):
   """W worker threads and one applier thread around a bounded queue."""
 
+  # bfloat16 needs no loss scaling. float16 would need the scale to travel
+  # with each push and overflow to be handled by the applier: not done.
+  precisions = ("float32", "mixed_bfloat16")
+
   @classmethod
   def num_replicas(cls, config: Config) -> int:
     return 1  # Every worker computes on the whole --global_batch_size.
@@ -115,7 +119,7 @@ class AsyncTrainer(Trainer):
     self.master_device = devices[0]
     with tf.device(self.master_device):
       self.model = models.build(config.model, split.input_shape,
-                                split.num_classes)
+                                split.num_classes, precision=config.precision)
       self.optimizer = optim.make(config.optimizer, config.learning_rate,
                                   self.model.trainable_variables)
       self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
@@ -136,7 +140,7 @@ class AsyncTrainer(Trainer):
     num_workers = self.num_workers(config)
     self.workers = [
         Worker(i, num_workers, devices[i % len(devices)], config.model, split,
-               config.global_batch_size, config.seed)
+               config.global_batch_size, config.seed, config.precision)
         for i in range(num_workers)]
     self.straggler = straggler_lib.parse(config.straggler)
     # A worker has at most one push in flight (see `_worker_loop`), so the
