@@ -18,7 +18,7 @@ PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
 NONFINITE_POLICIES = ("raise", "skip", "rollback")
 # Changing these on an existing workdir changes what the checkpoint means
 # (its variables, their placement, or the data position of a step).
-LAYOUT_FIELDS = ("dataset", "model", "mode", "num_devices", "num_stages",
+LAYOUT_FIELDS = ("dataset", "model", "num_devices", "num_stages",
                  "stage_split", "split_points", "async_workers",
                  "global_batch_size", "grad_accum_steps")
 

@@ -24,7 +24,7 @@ class Straggler:
   factor: float
 
   def delay(self, worker: int, compute_seconds: float) -> float:
-    """Seconds `worker` should sleep after a step that took `compute_seconds`."""
+    """Seconds to sleep after `worker` computed for `compute_seconds`."""
     if worker != self.worker:
       return 0.0
     return (self.factor - 1.0) * max(compute_seconds, 0.0)

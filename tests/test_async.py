@@ -160,7 +160,7 @@ def test_run_logs_staleness_and_resumes_in_sync_mode(small_config, tmp_path):
     (dict(straggler="4:3"), "use --straggler=3:3"),
     (dict(straggler="2:3", async_workers=2), "use --straggler=1:3"),
     (dict(max_staleness=-2), "--max_staleness must be >= 0, or -1"),
-    (dict(staleness_lr="exp"), "registered staleness learning-rate"),
+    (dict(staleness_lr="no_such_rule"), "registered staleness learning-rate"),
     (dict(async_compensation="x"), "registered delay compensations: dc"),
     (dict(async_workers=-1), "--async_workers must be >= 0"),
 ])

@@ -169,4 +169,4 @@ def test_policies_are_small_functions():
   assert policies.accepts(5, -1) and policies.accepts(2, 2)
   assert not policies.accepts(3, 2)
   with pytest.raises(UserError, match="registered staleness"):
-    policies.STALENESS_LR.get("exp")
+    policies.STALENESS_LR.get("no_such_rule")

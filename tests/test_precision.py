@@ -112,3 +112,24 @@ def test_modes_refuse_what_they_cannot_do(small_config):
     if "mixed_float16" not in MODES.get(mode).precisions:
       with pytest.raises(UserError, match="--precision=mixed_float16"):
         small_config(mode=mode, precision="mixed_float16").validate()
+
+
+def test_bf16_in_pipeline_and_async_modes(small_config, tmp_path):
+  common = dict(dataset="digits", model="mlp", optimizer="adam",
+                learning_rate=0.01, global_batch_size=64, train_steps=150,
+                steps_per_loop=50, log_every=50, eval_every=150,
+                checkpoint_every=150)
+  acc = {}
+  for name, extra in (
+      ("sync_f32", dict()),
+      ("pipeline_bf16", dict(mode="pipeline", num_devices=2, num_stages=2,
+                             num_microbatches=4,
+                             precision="mixed_bfloat16")),
+      ("async_bf16", dict(mode="async", num_devices=2, async_workers=2,
+                          precision="mixed_bfloat16"))):
+    cfg = small_config(workdir=str(tmp_path / name), **common, **extra)
+    acc[name] = train.run(cfg)["eval_accuracy"]
+  assert acc["sync_f32"] > 0.9, acc
+  # A pipeline step is a sync step: within 1 point. Async is stale: 2.
+  assert abs(acc["pipeline_bf16"] - acc["sync_f32"]) <= 0.01, acc
+  assert abs(acc["async_bf16"] - acc["sync_f32"]) <= 0.02, acc

@@ -9,7 +9,7 @@ pipeline mode cut it into stages. A builder is registered under a name:
 
 A builder may set `builder.image_size = 28` to ask image datasets for inputs
 of that size, and `builder.split_points = {2: (2,)}` to name its preferred cut
-into K pipeline stages (layer indices where stages 2..K start).
+into K pipeline stages (the layer indices where stages 1..K-1 start).
 """
 
 from typing import Callable, Optional, Sequence

@@ -38,6 +38,10 @@ STAGE_SPLITS = ("auto", "params", "explicit")
 class PipelineTrainer(Trainer):
   """R data-parallel replicas of a K-stage micro-batched pipeline."""
 
+  # bfloat16 activations and gradients flow between stages as they are.
+  # float16 would need a loss scale shared by the stages: not done.
+  precisions = ("float32", "mixed_bfloat16")
+
   @classmethod
   def num_replicas(cls, config: Config) -> int:
     return max(config.num_devices // config.num_stages, 1)
@@ -105,7 +109,8 @@ class PipelineTrainer(Trainer):
     # real model with each layer on its stage's device, and give it the
     # probe's initial weights: those are what the sync mode starts from,
     # since the probe was built first after seeding.
-    probe = models.build(config.model, split.input_shape, split.num_classes)
+    probe = models.build(config.model, split.input_shape, split.num_classes,
+                         precision=config.precision)
     initial_weights = probe.get_weights()
     self.stages, how = partition.choose(
         config.stage_split, probe.layers, k, config.split_points,
@@ -115,7 +120,8 @@ class PipelineTrainer(Trainer):
     stage_of = [s.index for s in self.stages for _ in range(s.start, s.end)]
     self.model = models.build(
         config.model, split.input_shape, split.num_classes,
-        layer_device=lambda i: self.device_grid[0][stage_of[i]])
+        layer_device=lambda i: self.device_grid[0][stage_of[i]],
+        precision=config.precision)
     self.model.set_weights(initial_weights)
     if self.model.losses:
       raise UserError(f"model {config.model!r} has regularisation losses, "

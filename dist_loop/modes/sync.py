@@ -116,6 +116,11 @@ class SyncTrainer(Trainer):
   def on_restore(self):
     self._iterator = None  # Rebuilt from the restored step.
 
+  def close(self):
+    # Free the multi-device input iterator now, while its threads can still
+    # finish: destroyed at interpreter exit it can block for minutes.
+    self._iterator = None
+
   def scope(self):
     return self.strategy.scope()
 

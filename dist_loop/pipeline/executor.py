@@ -179,6 +179,7 @@ class PipelineExecutor:
       out = self._forward[k](inp)
       if last:
         labels = ys[r * self.num_microbatches + i]
+        out = tf.cast(out, tf.float32)  # The loss in float32 (mixed precision).
         per_example = keras.losses.sparse_categorical_crossentropy(
             labels, out, from_logits=True)
         loss = tf.reduce_sum(per_example) / self.global_batch_size
