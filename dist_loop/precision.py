@@ -26,7 +26,7 @@ import contextlib
 import keras
 import tensorflow as tf
 
-from dist_loop.config import PRECISIONS  # pylint: disable=unused-import
+from dist_loop.config import PRECISIONS  # noqa: F401  (re-exported)
 INITIAL_SCALE = 2.0 ** 15
 GROWTH_INTERVAL = 2000
 FACTOR = 2.0

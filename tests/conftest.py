@@ -10,6 +10,7 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import numpy as np  # pylint: disable=g-import-not-at-top
 import pytest  # pylint: disable=g-import-not-at-top
 
 from dist_loop import devices  # pylint: disable=g-import-not-at-top
@@ -18,6 +19,25 @@ NUM_TEST_DEVICES = 4
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 devices.configure(NUM_TEST_DEVICES, "cpu")
+
+
+def checkpoint_variables(config):
+  """The trainable variables of a run's latest checkpoint, as numpy."""
+  from dist_loop import checkpoints  # pylint: disable=g-import-not-at-top
+  return [np.asarray(v) for v in
+          checkpoints.load_model(config).trainable_variables]
+
+
+def trained_variables(config):
+  """Trains `config` in this process, then reads its final variables."""
+  from dist_loop import train  # pylint: disable=g-import-not-at-top
+  train.run(config)
+  return checkpoint_variables(config)
+
+
+def max_diff(a, b):
+  """Largest absolute difference between two lists of arrays."""
+  return max(float(np.abs(x - y).max()) for x, y in zip(a, b))
 
 
 def run_train(*args, timeout=240):

@@ -1,25 +1,16 @@
 """The worked examples of experiments/extensions: each plugs in by
 registration alone, and behaves as its docstring says."""
 
-import numpy as np
-import pytest
 
 import experiments.extensions  # pylint: disable=unused-import
-from dist_loop import checkpoints, train
+from conftest import max_diff, trained_variables
+from dist_loop import train
 from dist_loop.async_ import policies
 from dist_loop.models import MODELS
 from dist_loop.pipeline import schedule as schedule_lib
 from experiments.extensions import eager_1f1b, exp_staleness, residual_cnn
 
 
-def _variables(config):
-  train.run(config)
-  return [np.asarray(v) for v in
-          checkpoints.load_model(config).trainable_variables]
-
-
-def _max_diff(a, b):
-  return max(float(np.abs(x - y).max()) for x, y in zip(a, b))
 
 
 def test_each_extension_is_registered_under_its_flag_value():
@@ -51,15 +42,15 @@ def test_residual_cnn_in_four_stages_with_eager_1f1b_equals_sync(
   common = dict(dataset="digits", model="residual_cnn", optimizer="adam",
                 learning_rate=0.003, global_batch_size=16, train_steps=3,
                 steps_per_loop=3, log_every=3)
-  sync = _variables(small_config(workdir=str(tmp_path / "sync"), **common))
-  piped = _variables(small_config(
+  sync = trained_variables(small_config(workdir=str(tmp_path / "sync"), **common))
+  piped = trained_variables(small_config(
       workdir=str(tmp_path / "pipe"), mode="pipeline", num_devices=4,
       num_stages=4, stage_split="explicit", split_points="2,4,6",
       num_microbatches=4, pipeline_schedule="eager_1f1b", **common))
-  assert _max_diff(sync, piped) <= 1e-5
-  start = _variables(small_config(workdir=str(tmp_path / "start"),
+  assert max_diff(sync, piped) <= 1e-5
+  start = trained_variables(small_config(workdir=str(tmp_path / "start"),
                                   **{**common, "train_steps": 1}))
-  assert _max_diff(sync, start) > 1e-3
+  assert max_diff(sync, start) > 1e-3
 
 
 def test_async_applies_the_exponential_policy(small_config, monkeypatch):

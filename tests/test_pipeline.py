@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from dist_loop import checkpoints, train
+from conftest import max_diff, trained_variables
+from dist_loop import train
 from dist_loop.errors import UserError
 from dist_loop.modes.pipeline import PipelineTrainer
 
@@ -23,14 +24,6 @@ STEPS = 6
 TOLERANCE = 1e-5
 
 
-def final_variables(config):
-  train.run(config)
-  return [np.asarray(v) for v in
-          checkpoints.load_model(config).trainable_variables]
-
-
-def max_diff(a, b):
-  return max(float(np.abs(x - y).max()) for x, y in zip(a, b))
 
 
 @pytest.fixture(scope="module")
@@ -53,10 +46,10 @@ def make(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def sync_reference(make):
-  reference = final_variables(make("sync"))
+  reference = trained_variables(make("sync"))
   # Training moved the variables well beyond the tolerance, so equality
   # with the reference is not two untouched initialisations.
-  start = final_variables(make("start", train_steps=1))
+  start = trained_variables(make("start", train_steps=1))
   assert max_diff(reference, start) > 1e-2
   return reference
 
@@ -68,7 +61,7 @@ def test_pipeline_equals_single_device_sync(make, sync_reference, schedule,
   config = make(f"pipe_{schedule}_{recompute}", mode="pipeline",
                 num_devices=2, num_stages=2, num_microbatches=4,
                 pipeline_schedule=schedule, recompute=recompute)
-  variables = final_variables(config)
+  variables = trained_variables(config)
   assert max_diff(sync_reference, variables) <= TOLERANCE
 
 
@@ -79,14 +72,14 @@ def test_hybrid_two_replicas_of_two_stages_equals_sync(make, sync_reference,
                 num_stages=2, num_microbatches=4, pipeline_schedule=schedule,
                 recompute="except_last")
   assert PipelineTrainer.num_replicas(config) == 2
-  assert max_diff(sync_reference, final_variables(config)) <= TOLERANCE
+  assert max_diff(sync_reference, trained_variables(config)) <= TOLERANCE
 
 
 def test_three_stages_explicit_split_equals_sync(make, sync_reference):
   config = make("three", mode="pipeline", num_devices=3, num_stages=3,
                 num_microbatches=2, stage_split="explicit",
                 split_points="1,2")
-  assert max_diff(sync_reference, final_variables(config)) <= TOLERANCE
+  assert max_diff(sync_reference, trained_variables(config)) <= TOLERANCE
 
 
 def test_checkpoints_interchange_with_sync(make, sync_reference):
@@ -95,10 +88,10 @@ def test_checkpoints_interchange_with_sync(make, sync_reference):
   pipe = dict(mode="pipeline", num_devices=2, num_stages=2,
               num_microbatches=4)
   train.run(make("p_then_s", train_steps=STEPS // 2, **pipe))
-  p_then_s = final_variables(make("p_then_s", mode="sync", num_devices=2,
+  p_then_s = trained_variables(make("p_then_s", mode="sync", num_devices=2,
                                   allow_config_change=True))
   train.run(make("s_then_p", train_steps=STEPS // 2, num_devices=2))
-  s_then_p = final_variables(make("s_then_p", allow_config_change=True,
+  s_then_p = trained_variables(make("s_then_p", allow_config_change=True,
                                   **pipe))
   assert max_diff(sync_reference, p_then_s) <= TOLERANCE
   assert max_diff(sync_reference, s_then_p) <= TOLERANCE

@@ -4,14 +4,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from dist_loop import checkpoints, data, devices, train
+from conftest import checkpoint_variables
+from dist_loop import data, devices, train
 from dist_loop.modes import build_trainer
 from dist_loop.errors import UserError
 
-
-def _variables(config):
-  return [np.asarray(v) for v in
-          checkpoints.load_model(config).trainable_variables]
 
 
 def test_bf16_and_fp16_reach_float32_accuracy(small_config, tmp_path):
@@ -90,12 +87,12 @@ def test_accumulation_equals_a_larger_batch(small_config, tmp_path):
                      global_batch_size=48, **common)
   summary = train.run(accum)
   train.run(big)
-  a, b = _variables(accum), _variables(big)
+  a, b = checkpoint_variables(accum), checkpoint_variables(big)
   assert max(float(np.abs(x - y).max()) for x, y in zip(a, b)) <= 1e-5
   one_micro_batch = small_config(workdir=str(tmp_path / "small"),
                                  global_batch_size=16, **common)
   train.run(one_micro_batch)
-  c = _variables(one_micro_batch)
+  c = checkpoint_variables(one_micro_batch)
   assert max(float(np.abs(x - y).max()) for x, y in zip(a, c)) > 1e-3
   assert summary["memory_peak_rss_mb"] > 0
   assert summary["memory_cpu_peak_mb"] > 0

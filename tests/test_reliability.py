@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import REPO
-from dist_loop import checkpoints, train
+from conftest import REPO, checkpoint_variables, max_diff
+from dist_loop import train
 from dist_loop.data import pipeline
 from dist_loop.data.base import DATASETS, Split
 from dist_loop.errors import NonFiniteError, UserError
@@ -48,13 +48,6 @@ def _nan_step(seed=0):
   raise AssertionError("example 0 is in every epoch")
 
 
-def _variables(config):
-  return [np.asarray(v) for v in
-          checkpoints.load_model(config).trainable_variables]
-
-
-def _max_diff(a, b):
-  return max(float(np.abs(x - y).max()) for x, y in zip(a, b))
 
 
 def test_raise_names_the_step(small_config):
@@ -71,7 +64,7 @@ def test_skip_drops_the_step_on_every_replica(small_config):
   summary = train.run(cfg)
   assert summary["final_step"] == 20
   assert summary["skipped_steps"] == 1
-  assert all(np.isfinite(v).all() for v in _variables(cfg))
+  assert all(np.isfinite(v).all() for v in checkpoint_variables(cfg))
 
 
 def test_rollback_gives_up_after_max_rollbacks(small_config):
@@ -105,7 +98,7 @@ def test_transient_nonfinite_rollback_equals_uninterrupted(
   faulty = small_config(workdir=str(tmp_path / "faulty"), **common)
   summary = train.run(faulty)
   assert summary["rollbacks"] == 1 and summary["final_step"] == 12
-  assert _max_diff(_variables(clean), _variables(faulty)) <= 1e-6
+  assert max_diff(checkpoint_variables(clean), checkpoint_variables(faulty)) <= 1e-6
 
 
 def test_corrupt_latest_checkpoint_falls_back(small_config, tmp_path):
@@ -122,7 +115,7 @@ def test_corrupt_latest_checkpoint_falls_back(small_config, tmp_path):
     f.truncate(os.path.getsize(data_file) // 2)
   summary = train.run(part.replace(train_steps=8))  # Resumes from step 4.
   assert summary["final_step"] == 8
-  assert _max_diff(_variables(whole), _variables(part)) <= 1e-6
+  assert max_diff(checkpoint_variables(whole), checkpoint_variables(part)) <= 1e-6
 
 
 def test_every_checkpoint_corrupt_is_a_clear_error(small_config):
@@ -209,6 +202,6 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, small_config):
   out, err = proc.communicate(timeout=180)
   assert proc.returncode == 0, err[-2000:]
   cfg = small_config(global_batch_size=32, optimizer="adam")
-  a = _variables(cfg.replace(workdir=str(killed)))
-  b = _variables(cfg.replace(workdir=str(whole)))
-  assert _max_diff(a, b) == 0.0
+  a = checkpoint_variables(cfg.replace(workdir=str(killed)))
+  b = checkpoint_variables(cfg.replace(workdir=str(whole)))
+  assert max_diff(a, b) == 0.0

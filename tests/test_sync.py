@@ -8,15 +8,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from dist_loop import checkpoints, train
+from conftest import checkpoint_variables
+from dist_loop import train
 from dist_loop.data.base import DATASETS, Split
 from dist_loop.errors import NonFiniteError
 from dist_loop.modes import sync
 
-
-def _variables(config):
-  return [np.asarray(v) for v in
-          checkpoints.load_model(config).trainable_variables]
 
 
 def _spy_all_reduce(monkeypatch):
@@ -85,17 +82,17 @@ def test_resume_equals_uninterrupted(small_config, tmp_path):
   train.run(parts)  # Saves a checkpoint at its last step, 6.
   summary = train.run(parts.replace(train_steps=12))
   assert summary["final_step"] == 12
-  a, b = _variables(whole), _variables(parts.replace(train_steps=12))
+  a, b = checkpoint_variables(whole), checkpoint_variables(parts.replace(train_steps=12))
   assert max(float(np.abs(x - y).max()) for x, y in zip(a, b)) <= 1e-6
 
 
 def test_rerun_of_a_finished_run_trains_nothing(small_config):
   cfg = small_config(train_steps=5)
   train.run(cfg)
-  before = _variables(cfg)
+  before = checkpoint_variables(cfg)
   summary = train.run(cfg)
   assert summary["final_step"] == 5
-  after = _variables(cfg)
+  after = checkpoint_variables(cfg)
   assert all(np.array_equal(x, y) for x, y in zip(before, after))
 
 

@@ -11,6 +11,7 @@ import abc
 from typing import Dict, List
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from dist_loop.config import Config, check_divisible
@@ -118,7 +119,7 @@ class Trainer(abc.ABC):
     """
     return fn(*args)
 
-  def images(self) -> Dict[str, "np.ndarray"]:
+  def images(self) -> Dict[str, np.ndarray]:
     """Images to log at log time, name -> HWC uint8 (e.g. a timeline)."""
     return {}
 
@@ -127,7 +128,7 @@ class Trainer(abc.ABC):
     over the window like `train`'s metrics."""
     return {}
 
-  def histograms(self) -> Dict[str, "np.ndarray"]:
+  def histograms(self) -> Dict[str, np.ndarray]:
     """Values collected since the last log, written as histograms then."""
     return {}
 
