@@ -68,10 +68,19 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
   finishes with the remaining backwards. Stage k so holds at most K-k
   micro-batches of activations, against M for GPipe, at the same bubble.
   """
-  k_total, m = num_stages, num_microbatches
+  return warmup_then_alternate(
+      [min(num_stages - k - 1, num_microbatches) for k in range(num_stages)],
+      num_microbatches)
+
+
+def warmup_then_alternate(warmups: List[int],
+                          num_microbatches: int) -> Schedule:
+  """The 1F1B family: stage k runs `warmups[k]` forwards, then alternates
+  one forward and one backward, then drains the remaining backwards. 1F1B
+  and its variants differ only in the warm-up depths."""
+  m = num_microbatches
   schedule = []
-  for k in range(k_total):
-    warmup = min(k_total - k - 1, m)
+  for warmup in warmups:
     actions = [F(i) for i in range(warmup)]
     for j in range(m - warmup):
       actions += [F(warmup + j), B(j)]

@@ -10,18 +10,13 @@ a per-stage list of actions. Select it with `--pipeline_schedule=eager_1f1b`;
 see `residual_cnn_pipeline.flags`.
 """
 
-from dist_loop.pipeline.schedule import SCHEDULES, B, F
+from dist_loop.pipeline.schedule import SCHEDULES, warmup_then_alternate
 
 
 @SCHEDULES.register("eager_1f1b")
 def eager_1f1b(num_stages: int, num_microbatches: int):
-  k_total, m = num_stages, num_microbatches
-  schedule = []
-  for k in range(k_total):
-    warmup = min(k_total - k if k < k_total - 1 else 0, m)
-    actions = [F(i) for i in range(warmup)]
-    for j in range(m - warmup):
-      actions += [F(warmup + j), B(j)]
-    actions += [B(j) for j in range(m - warmup, m)]
-    schedule.append(actions)
-  return schedule
+  # One forward deeper than 1F1B's K-k-1 on every stage but the last.
+  last = num_stages - 1
+  return warmup_then_alternate(
+      [min(num_stages - k, num_microbatches) if k < last else 0
+       for k in range(num_stages)], num_microbatches)
