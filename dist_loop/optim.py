@@ -56,7 +56,9 @@ def apply_reduced(optimizer: keras.optimizers.Optimizer,
                   ok: tf.Tensor, lr_scale=None) -> tf.Tensor:
   """Applies gradients that were already all-reduced, once, if `ok`.
 
-  Call in replica context (inside `strategy.run`) or outside any strategy.
+  Call in replica context (inside `strategy.run`), outside any strategy, or
+  in cross-replica context with gradients that are not per-replica (the ps
+  mode, whose one replica per worker has already returned them).
 
   Args:
     optimizer: a built Keras 3 optimizer.
@@ -68,13 +70,18 @@ def apply_reduced(optimizer: keras.optimizers.Optimizer,
       times it (the async mode's staleness policies). None: the plain rate.
 
   Returns:
-    `ok`, so callers can chain on the update.
+    `ok`, available only once every update has run, so callers can order
+    work after the update (the ps mode's lock is released after it).
   """
-  ctx = tf.distribute.get_replica_context()
+  args = (optimizer, list(grads), [_tf_variable(v) for v in variables], ok)
   kwargs = {} if lr_scale is None else {"lr_scale": lr_scale}
-  return ctx.merge_call(_update, args=(optimizer, list(grads),
-                                       [_tf_variable(v) for v in variables], ok),
-                        kwargs=kwargs)
+  if tf.distribute.in_cross_replica_context():
+    done = _update(tf.distribute.get_strategy(), *args, **kwargs)
+  else:
+    done = tf.distribute.get_replica_context().merge_call(
+        _update, args=args, kwargs=kwargs)
+  with tf.control_dependencies(done):
+    return tf.identity(ok)
 
 
 def _update(strategy, optimizer, grads, variables, ok, lr_scale=None):
@@ -90,12 +97,14 @@ def _update(strategy, optimizer, grads, variables, ok, lr_scale=None):
 
     return tf.cond(apply, do, lambda: tf.constant(False))
 
-  for grad, var in zip(grads, variables):
-    strategy.extended.update(var, update_var, args=(grad, ok), group=False)
-  strategy.extended.update(
+  done = [strategy.extended.update(var, update_var, args=(grad, ok),
+                                  group=False)
+          for grad, var in zip(grads, variables)]
+  done.append(strategy.extended.update(
       _tf_variable(optimizer.iterations),
-      lambda it, apply: it.assign_add(tf.cast(apply, it.dtype)), args=(ok,))
-  return ok
+      lambda it, apply: it.assign_add(tf.cast(apply, it.dtype)).read_value(),
+      args=(ok,), group=False))
+  return done
 
 
 def _tf_variable(v):

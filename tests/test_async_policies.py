@@ -151,9 +151,9 @@ def test_inverse_lr_step_is_exact_for_known_staleness(split):
   variables = applier.model.trainable_variables
   zeros = [tf.zeros_like(v) for v in variables]
   ones = [tf.ones_like(v) for v in variables]
-  stale_version, stale_read = applier.read()
+  stale_version, stale_read, _ = applier.read()
   for _ in range(4):  # Four fresh updates that do not move the weights.
-    version, read = applier.read()
+    version, read, _ = applier.read()
     assert applier.offer(Push(0, version, zeros, read, 0.0, 0.0)).tau == 0
   before = [np.asarray(v) for v in variables]
   outcome = applier.offer(Push(1, stale_version, ones, stale_read, 0.0, 0.0))

@@ -122,11 +122,14 @@ def test_bf16_in_pipeline_and_async_modes(small_config, tmp_path):
       ("pipeline_bf16", dict(mode="pipeline", num_devices=2, num_stages=2,
                              num_microbatches=4,
                              precision="mixed_bfloat16")),
-      ("async_bf16", dict(mode="async", num_devices=2, async_workers=2,
+      # One worker: async is then sequential SGD, so the check sees the
+      # precision and not the run-to-run noise of thread interleaving (with
+      # 2 workers, float32 itself ended 0.93-0.975 over 12 runs).
+      ("async_bf16", dict(mode="async", num_devices=2, async_workers=1,
                           precision="mixed_bfloat16"))):
     cfg = small_config(workdir=str(tmp_path / name), **common, **extra)
     acc[name] = train.run(cfg)["eval_accuracy"]
   assert acc["sync_f32"] > 0.9, acc
-  # A pipeline step is a sync step: within 1 point. Async is stale: 2.
+  # A pipeline step is a sync step, and so is a 1-worker async update.
   assert abs(acc["pipeline_bf16"] - acc["sync_f32"]) <= 0.01, acc
-  assert abs(acc["async_bf16"] - acc["sync_f32"]) <= 0.02, acc
+  assert abs(acc["async_bf16"] - acc["sync_f32"]) <= 0.01, acc

@@ -59,6 +59,10 @@ def test_ps_trains_digits_within_the_staleness_bound(tmp_path):
   assert max(counts) <= MAX_STALENESS
   assert s["ps_staleness_max"] <= MAX_STALENESS
   assert s["ps_dropped"] >= 0 and s["ps_workers"] == 2
+  # Decide-and-apply is serialised by the PS lock: the optimizer's own
+  # read-modify-write counter, which loses increments under concurrent
+  # updates, lost none.
+  assert s["ps_optimizer_iterations"] == steps
   # The checkpoint has the names of every other mode: a plain model reads it.
   config = Config(workdir=str(workdir), dataset="digits", model="mlp")
   model = checkpoints.load_model(config)
@@ -76,11 +80,13 @@ def _wait_for(path, text, launcher, timeout=90):
 
 
 def test_a_killed_worker_is_ridden_out(tmp_path):
+  # Two parameter servers: the variables are spread over both, and the
+  # update lock on ps:0 still orders every update (one count, no loss).
   workdir = tmp_path / "run"
   steps = 400
   launcher = launch.Launcher(
       _command(workdir, dataset="synthetic", model="mlp", train_steps=steps,
-               steps_per_loop=20, log_every=20), num_workers=2, num_ps=1,
+               steps_per_loop=20, log_every=20), num_workers=2, num_ps=2,
       log_dir=str(workdir / "logs"), timeout_s=120, quiet=True)
   launcher.start()
   try:
@@ -93,6 +99,8 @@ def test_a_killed_worker_is_ridden_out(tmp_path):
   assert launcher.tasks["worker:1"].poll() == -signal.SIGKILL
   s = _summary(workdir)
   assert s["final_step"] == steps and s["ps_applied"] == steps
+  assert s["ps_optimizer_iterations"] == steps
+  assert s["ps_servers_holding_weights"] == 2
 
 
 def test_a_killed_ps_stops_the_run_and_a_rerun_resumes(tmp_path):

@@ -10,12 +10,23 @@ a worker never sees half an update and `version` always names the weights.
 Only one thread calls `offer` (the applier thread, or a test), so `version`
 and the counts are plain Python numbers: the optimizer's own `iterations` is
 not what counts updates here.
+
+With float16 loss scaling, the applier owns the `DynamicLossScale`: `read`
+returns the scale in force with the weights, and the worker sends back the
+gradient unscaled, with the scale it used. Non-finite gradients of a finite
+loss are then an overflow: the push is skipped (neither applied nor counted
+as an update). Only a push computed at the scale in force (or a smaller one)
+halves it, so W workers that overflowed at one scale halve it once, not W
+times. At the floor scale of 1.0 nothing is scaled any more, and non-finite
+gradients are a real non-finite step. An applied push counts a good step
+towards the scale's growth.
 """
 
 import collections
 import dataclasses
+import math
 import threading
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import keras
 import tensorflow as tf
@@ -23,6 +34,7 @@ import tensorflow as tf
 from dist_loop import optim
 from dist_loop.async_ import policies
 from dist_loop.async_.worker import Push
+from dist_loop.precision import DynamicLossScale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +44,7 @@ class Outcome:
   tau: int
   applied: bool
   finite: bool = True
+  skipped: bool = False  # A loss-scale overflow: not applied, not an error.
   grad_norm: float = 0.0
   lr_scale: float = 1.0
 
@@ -48,13 +61,15 @@ class Applier:
     staleness_lr: `fn(tau) -> learning-rate factor`.
     compensation: `fn(grads, now, read, dc_lambda) -> grads`.
     dc_lambda: the delay-compensation strength.
+    loss_scale: the float16 loss scale, on `device`; None: no loss scaling.
   """
 
   def __init__(self, model: keras.Model, optimizer: keras.optimizers.Optimizer,
                step: tf.Variable, device: str, max_staleness: int = -1,
                staleness_lr: Callable[[int], float] = policies.constant,
                compensation: Callable = policies.no_compensation,
-               dc_lambda: float = 0.0):
+               dc_lambda: float = 0.0,
+               loss_scale: Optional[DynamicLossScale] = None):
     self.model = model
     self.optimizer = optimizer
     self.step = step
@@ -63,12 +78,16 @@ class Applier:
     self.staleness_lr = staleness_lr
     self.compensation = compensation
     self.dc_lambda = dc_lambda
+    self.loss_scale = loss_scale
     self.lock = threading.Lock()
     self.version = int(step.numpy())
     self.staleness_counts: Dict[int, int] = collections.Counter()
     self.dropped = 0
+    self.skipped = 0
     self._read_fn = tf.function(self._read)
     self._apply_fn = tf.function(self._apply)
+    self._update_scale_fn = (tf.function(loss_scale.update)
+                             if loss_scale is not None else None)
 
   def sync_version(self) -> None:
     """Re-reads the version from `step` (after a checkpoint restore)."""
@@ -76,24 +95,35 @@ class Applier:
       self.version = int(self.step.numpy())
 
   def trace(self) -> None:
-    """Traces `read` and the update now, before any thread needs them."""
+    """Traces `read` and the updates now, before any thread needs them."""
     specs = [tf.TensorSpec(v.shape, v.dtype)
              for v in self.model.trainable_variables]
     self._read_fn.get_concrete_function()
     self._apply_fn.get_concrete_function(specs, specs,
                                          tf.TensorSpec((), tf.float32))
+    if self._update_scale_fn is not None:
+      self._update_scale_fn.get_concrete_function(tf.TensorSpec((), tf.bool))
 
   @property
   def applied(self) -> int:
     return sum(self.staleness_counts.values())
 
-  def read(self) -> Tuple[int, List[tf.Tensor]]:
-    """(version, master weights), read atomically with respect to updates."""
+  @property
+  def current_loss_scale(self) -> float:
+    """The loss scale in force; 1.0 without loss scaling."""
+    if self.loss_scale is None:
+      return 1.0
+    return float(self.loss_scale.scale.numpy())
+
+  def read(self) -> Tuple[int, List[tf.Tensor], float]:
+    """(version, master weights, loss scale), read atomically with respect
+    to updates: the scale is the one a gradient on these weights uses."""
     with self.lock:
-      return self.version, self._read_fn()
+      return self.version, self._read_fn(), self.current_loss_scale
 
   def offer(self, push: Push) -> Outcome:
-    """Applies `push` or drops it, by the policies. Single caller only."""
+    """Applies `push`, drops it (by the policies) or skips it (a loss-scale
+    overflow). Single caller only."""
     tau = self.version - push.version
     if tau < 0:
       raise RuntimeError(f"{push.worker=} read version {push.version}, ahead "
@@ -108,10 +138,35 @@ class Applier:
       ok = bool(ok)
       if ok:
         self.version += 1
+        self._update_scale(True)
+        skipped = False
+      else:
+        skipped = self._overflowed(push)
     if ok:
       self.staleness_counts[tau] += 1
-    return Outcome(tau, applied=ok, finite=ok, grad_norm=float(norm),
-                   lr_scale=scale)
+    elif skipped:
+      self.skipped += 1
+    return Outcome(tau, applied=ok, finite=ok or skipped, skipped=skipped,
+                   grad_norm=float(norm), lr_scale=scale)
+
+  def _overflowed(self, push: Push) -> bool:
+    """Whether the non-finite gradients of `push` are a loss-scale overflow,
+    to skip, rather than a real non-finite step. Halves the scale once per
+    overflow at the scale in force. Call with the lock held."""
+    if self.loss_scale is None or not math.isfinite(float(push.loss)):
+      return False
+    current = self.current_loss_scale
+    if push.loss_scale > current:
+      return True  # At an older, larger scale: already halved since.
+    if current <= 1.0:
+      return False  # Nothing left to unscale: the step is not finite.
+    self._update_scale(False)
+    return True
+
+  def _update_scale(self, ok: bool) -> None:
+    """Counts a good step, or halves the scale; nothing without scaling."""
+    if self._update_scale_fn is not None:
+      self._update_scale_fn(tf.constant(ok))
 
   # -- traced, on the master device --
 

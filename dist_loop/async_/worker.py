@@ -7,6 +7,13 @@ gradient together with the version and the weights it was computed on (delay
 compensation needs them). No threads and no queue here: the async mode's
 threads call `next_batch` and `compute` in a loop, and the deterministic
 tests call them in whatever order they want to force.
+
+With `--precision=mixed_float16` the worker also gets the loss scale in force
+when it read the weights: it differentiates loss * scale (so that small
+float16 gradients do not underflow), divides the float32 gradients by the same
+scale, and records the scale in the `Push`. The applier thus sees true
+gradients, and can tell an overflow at the current scale from one at an older,
+already halved scale (see applier.py). Other precisions add no scaling op.
 """
 
 import dataclasses
@@ -16,6 +23,7 @@ import keras
 import tensorflow as tf
 
 from dist_loop import models
+from dist_loop import precision as precision_lib
 from dist_loop.data import Split, train_dataset_fn
 
 
@@ -29,6 +37,7 @@ class Push:
   read: List[tf.Tensor]  # The master weights at `version`.
   loss: tf.Tensor  # Mean loss of the batch at `read`.
   accuracy: tf.Tensor
+  loss_scale: float = 1.0  # The loss scale the gradient was computed at.
 
 
 class Worker:
@@ -42,6 +51,7 @@ class Worker:
     self.device = device
     self.batch_size = batch_size
     self.steps = 0  # Gradients computed; written by this worker's thread only.
+    self.loss_scaled = precision_lib.needs_loss_scale(precision)
     self._split = split
     self._seed = seed
     with tf.device(device):
@@ -74,22 +84,31 @@ class Worker:
     start computing at once instead of tracing side by side."""
     specs = [tf.TensorSpec(v.shape, v.dtype)
              for v in self.model.trainable_variables]
-    self._step_fn.get_concrete_function(specs, *self._iterator.element_spec)
+    scale = tf.TensorSpec((), tf.float32) if self.loss_scaled else None
+    self._step_fn.get_concrete_function(specs, *self._iterator.element_spec,
+                                        scale)
 
   def next_batch(self) -> Tuple[tf.Tensor, tf.Tensor]:
     if self._iterator is None:
       self.start_input(0)
     return next(self._iterator)
 
-  def compute(self, version: int, read: List[tf.Tensor], x, y) -> Push:
-    """The gradient of batch (x, y) at the master weights `read`."""
-    grads, loss, accuracy = self._step_fn(read, x, y)
+  def compute(self, version: int, read: List[tf.Tensor], x, y,
+              loss_scale: float = 1.0) -> Push:
+    """The gradient of batch (x, y) at the master weights `read`.
+
+    A float16 worker computes it at `loss_scale` and unscales it; the others
+    ignore the scale (it is 1.0 without loss scaling).
+    """
+    # A tensor, not a Python float: one trace serves every scale.
+    scale = tf.constant(loss_scale, tf.float32) if self.loss_scaled else None
+    grads, loss, accuracy = self._step_fn(read, x, y, scale)
     self.steps += 1
-    return Push(self.index, version, grads, read, loss, accuracy)
+    return Push(self.index, version, grads, read, loss, accuracy, loss_scale)
 
   # -- the traced step, on this worker's device --
 
-  def _step(self, read, x, y):
+  def _step(self, read, x, y, scale):
     with tf.device(self.device):
       variables = self.model.trainable_variables
       for var, value in zip(variables, read):
@@ -101,7 +120,10 @@ class Worker:
         loss = tf.reduce_sum(per_example) / self.batch_size
         if self.model.losses:
           loss += tf.add_n(self.model.losses)
-      grads = tape.gradient(loss, variables)
+        scaled = loss if scale is None else loss * scale
+      grads = tape.gradient(scaled, variables)
+      if scale is not None:  # float32 gradients, unscaled before the push.
+        grads = [g / scale for g in grads]
       accuracy = tf.reduce_mean(tf.cast(
           tf.equal(tf.argmax(logits, -1, output_type=tf.int32),
                    tf.cast(y, tf.int32)), tf.float32))

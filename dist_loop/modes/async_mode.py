@@ -3,13 +3,14 @@
 TensorFlow has no in-process asynchronous strategy, so this mode is threads:
 
     worker w (one thread each, own device, own model copy, own input shard)
-      loop: (v, weights) = applier.read(); g = grad(batch, weights)
-            [straggler sleep]; queue.put(Push(g, v, weights, w));
-            wait until the applier has applied or dropped it
+      loop: (v, weights, s) = applier.read(); g = grad(batch, weights, s)
+            [straggler sleep]; queue.put(Push(g, v, weights, w, s));
+            wait until the applier has applied, dropped or skipped it
     applier (one thread, owns master variables + optimizer + step)
       loop: wait for a budget of n updates from train(n), then
             pop pushes: tau = version - v; drop if tau > --max_staleness,
-            else apply with the staleness policies; version += 1
+            skip a float16 overflow, else apply with the staleness
+            policies; version += 1
     main thread (the controller's `train(n)`)
       hands the applier n, waits for its tally, raises any thread's error.
 
@@ -24,6 +25,15 @@ threads, so tests can force any interleaving.
 
 Each push is the gradient of one worker's batch of `--global_batch_size`
 examples, so an applied update sees as many examples as a sync step does.
+
+`--precision=mixed_float16` scales the loss dynamically, as sync mode does,
+but the scale travels with each push instead of being in an all-reduce: the
+applier owns the scale (checkpointed as "loss_scale", as in sync mode), a
+worker computes at the scale it read and unscales its gradient, and the
+applier skips an overflowing push and halves the scale only if the push used
+the scale in force (applier.py). A skipped push, like a dropped one, is not
+an update: `train(n)` still applies n, and reports the skips as
+`train/skipped_steps`.
 """
 
 import dataclasses
@@ -37,6 +47,7 @@ import tensorflow as tf
 from absl import logging
 
 from dist_loop import models, optim
+from dist_loop import precision as precision_lib
 from dist_loop import straggler as straggler_lib
 from dist_loop.async_ import policies
 from dist_loop.async_.applier import Applier
@@ -67,6 +78,7 @@ class _Tally:
 
   applied: int = 0
   dropped: int = 0
+  skipped: int = 0
   loss: float = 0.0
   accuracy: float = 0.0
   grad_norm: float = 0.0
@@ -85,9 +97,7 @@ class _Tally:
 class AsyncTrainer(Trainer):
   """W worker threads and one applier thread around a bounded queue."""
 
-  # bfloat16 needs no loss scaling. float16 would need the scale to travel
-  # with each push and overflow to be handled by the applier: not done.
-  precisions = ("float32", "mixed_bfloat16")
+  precisions = precision_lib.PRECISIONS
 
   @classmethod
   def num_replicas(cls, config: Config) -> int:
@@ -123,6 +133,9 @@ class AsyncTrainer(Trainer):
       self.optimizer = optim.make(config.optimizer, config.learning_rate,
                                   self.model.trainable_variables)
       self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
+      self.loss_scale = (precision_lib.DynamicLossScale()
+                         if precision_lib.needs_loss_scale(config.precision)
+                         else None)
     if self.model.non_trainable_variables:
       # Workers send gradients only; state such as batch-norm statistics
       # would stay at its initial value in the master that eval reads.
@@ -136,7 +149,7 @@ class AsyncTrainer(Trainer):
         max_staleness=config.max_staleness,
         staleness_lr=policies.STALENESS_LR.get(config.staleness_lr),
         compensation=policies.COMPENSATIONS.get(config.async_compensation),
-        dc_lambda=config.dc_lambda)
+        dc_lambda=config.dc_lambda, loss_scale=self.loss_scale)
     num_workers = self.num_workers(config)
     self.workers = [
         Worker(i, num_workers, devices[i % len(devices)], config.model, split,
@@ -188,7 +201,10 @@ class AsyncTrainer(Trainer):
         "async/staleness_max": float(max(tally.taus or [0])),
         "async/drops_per_update": tally.dropped / n,
         "async/updates_per_sec": tally.applied / seconds,
+        "train/skipped_steps": float(tally.skipped),
     }
+    if self.loss_scale is not None:
+      metrics["train/loss_scale"] = self.applier.current_loss_scale
     for w, before in zip(self.workers, worker_steps):
       metrics[f"async/worker{w.index}_steps_per_sec"] = (
           (w.steps - before) / seconds)
@@ -267,9 +283,9 @@ class AsyncTrainer(Trainer):
     processed = self._processed[worker.index]
     while not self._stop.is_set():
       x, y = worker.next_batch()
-      version, read = self.applier.read()
+      version, read, loss_scale = self.applier.read()
       t0 = time.perf_counter()
-      push = worker.compute(version, read, x, y)
+      push = worker.compute(version, read, x, y, loss_scale)
       if self.straggler is not None:
         straggler_lib.sleep(
             self.straggler.delay(worker.index, time.perf_counter() - t0),
@@ -294,6 +310,8 @@ class AsyncTrainer(Trainer):
           break
         if outcome.applied:
           tally.add(push, outcome.grad_norm, outcome.tau)
+        elif outcome.skipped:
+          tally.skipped += 1
         else:
           tally.dropped += 1
       self._tallies.put(tally)
@@ -326,6 +344,7 @@ class AsyncTrainer(Trainer):
 
   def log_scalars(self) -> Dict[str, float]:
     return {"async/dropped": float(self.applier.dropped),
+            "async/skipped": float(self.applier.skipped),
             "async/applied": float(self.applier.applied)}
 
   def histograms(self) -> Dict[str, np.ndarray]:
@@ -343,6 +362,7 @@ class AsyncTrainer(Trainer):
         "async_workers": len(self.workers),
         "async_applied": applied,
         "async_dropped": self.applier.dropped,
+        "async_skipped": self.applier.skipped,
         "async_staleness_mean": mean,
         "async_staleness_max": max(counts) if counts else None,
         "async_staleness_counts": {str(t): counts[t] for t in sorted(counts)},

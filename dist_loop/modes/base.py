@@ -39,6 +39,9 @@ class Trainer(abc.ABC):
   optimizer: keras.optimizers.Optimizer
   step: tf.Variable
   is_chief: bool = True
+  # The float16 DynamicLossScale (precision.py) of a mode that scales, else
+  # None; checkpointed under one name in every mode.
+  loss_scale = None
   # Whether the mode runs across the tasks of a TF_CONFIG cluster; the others
   # refuse a TF_CONFIG with several tasks (they would race on the workdir).
   multi_process: bool = False
@@ -100,8 +103,11 @@ class Trainer(abc.ABC):
   def checkpoint_items(self) -> Dict[str, object]:
     """What the checkpoint holds. The same names in every mode, so a
     checkpoint written by one mode restores in another."""
-    return {"step": self.step, "model": self.model,
-            "optimizer": self.optimizer}
+    items = {"step": self.step, "model": self.model,
+             "optimizer": self.optimizer}
+    if self.loss_scale is not None:
+      items["loss_scale"] = self.loss_scale
+    return items
 
   def scope(self):
     """The scope under which eval and restore see the master variables."""

@@ -12,6 +12,15 @@ pipeline on devices [r*K, (r+1)*K) on its 1/R of the global batch. There is
 one copy of the variables (on replica 0's devices); each stage's gradients
 are reduced over the R replicas once per step and applied once, by the one
 optimizer, so checkpoints are those of the sync mode.
+
+With `--precision=mixed_float16`, one dynamic loss scale (precision.py),
+next to the optimizer on the first device, serves all stages and replicas:
+each step reads it once, the last stages start their backward pass from
+d(loss * scale), so the float16 activation gradients sent between stages
+are scaled, and the reduced gradients are unscaled in float32 before the
+update. A step whose gradients overflowed is skipped (the step counter
+still advances) and halves the scale, as in the sync mode; the checkpoint
+holds the scale under the sync mode's name.
 """
 
 from typing import Dict
@@ -22,6 +31,7 @@ import tensorflow as tf
 from absl import logging
 
 from dist_loop import models, optim
+from dist_loop import precision as precision_lib
 from dist_loop.config import Config, check_divisible
 from dist_loop.data import train_dataset_fn
 from dist_loop.errors import NonFiniteError, UserError
@@ -38,9 +48,8 @@ STAGE_SPLITS = ("auto", "params", "explicit")
 class PipelineTrainer(Trainer):
   """R data-parallel replicas of a K-stage micro-batched pipeline."""
 
-  # bfloat16 activations and gradients flow between stages as they are.
-  # float16 would need a loss scale shared by the stages: not done.
-  precisions = ("float32", "mixed_bfloat16")
+  # bfloat16 needs no scaling; float16 shares one loss scale (see above).
+  precisions = precision_lib.PRECISIONS
 
   @classmethod
   def num_replicas(cls, config: Config) -> int:
@@ -138,6 +147,9 @@ class PipelineTrainer(Trainer):
       self.optimizer = optim.make(config.optimizer, config.learning_rate,
                                   self.model.trainable_variables)
       self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
+      self.loss_scale = (precision_lib.DynamicLossScale()
+                         if precision_lib.needs_loss_scale(config.precision)
+                         else None)
     self._log_start(how, layers)
     self.trace_count = 0
     self._iterator = None
@@ -165,7 +177,24 @@ class PipelineTrainer(Trainer):
           "and its moving averages are updated once per micro-batch",
           self.config.global_batch_size // self.replicas // m)
 
-  # -- the inner loop: num_steps pipelined steps in one tf.function call --
+  # -- one step, and the inner loop: num_steps of them in one tf.function --
+
+  def _step_fn(self, x, y):
+    """One pipelined step, applied only if its gradients are all finite.
+
+    Returns the executor's outputs with `grads` unscaled, and `ok`.
+    """
+    scale = (None if self.loss_scale is None
+             else self.loss_scale.scale.read_value())  # One for all stages.
+    out = self.executor.step(x, y, scale)
+    grads = out["grads"]
+    if scale is not None:  # Unscale after the reduce: see precision.py.
+      grads = [g / scale for g in grads]
+    ok = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads])
+    optim.apply_reduced(self.optimizer, grads, self.executor.variables, ok)
+    if self.loss_scale is not None:
+      self.loss_scale.update(ok)
+    return {**out, "grads": grads, "ok": ok}
 
   def _loop_fn(self, iterator, num_steps):
     self.trace_count += 1  # Python side effect: runs once per trace.
@@ -173,22 +202,27 @@ class PipelineTrainer(Trainer):
     total = {"loss": 0.0, "accuracy": 0.0, "grad_norm": 0.0, "bubble": 0.0,
              "span": 0.0}
     done = tf.constant(0, tf.int64)
+    skipped = tf.constant(0, tf.int64)
     bad_step = tf.constant(-1, tf.int64)
     starts = tf.zeros(shape, tf.float64)
     ends = tf.zeros(shape, tf.float64)
+    # With loss scaling, an overflow is expected now and then: that step is
+    # skipped and the scale drops. Any other non-finite step stops the loop
+    # and is raised.
+    may_skip = self.loss_scale is not None
     for _ in tf.range(num_steps):
       x, y = next(iterator)
-      out = self.executor.step(x, y)
-      grads, variables = out["grads"], self.executor.variables
-      ok = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads])
-      optim.apply_reduced(self.optimizer, grads, variables, ok)
+      out = self._step_fn(x, y)
       self.step.assign_add(1)
-      loss = out["loss"]
-      if not (ok and tf.math.is_finite(loss)):
+      loss, ok, grads = out["loss"], out["ok"], out["grads"]
+      if not tf.math.is_finite(loss) or not (ok or may_skip):
         bad_step = self.step.read_value()
         break
       done += 1
-      starts, ends = out["starts"], out["ends"]
+      starts, ends = out["starts"], out["ends"]  # It ran: its timeline.
+      if not ok:
+        skipped += 1
+        continue
       span = tf.reduce_max(ends) - tf.reduce_min(starts)
       total = {
           "loss": total["loss"] + loss,
@@ -199,8 +233,11 @@ class PipelineTrainer(Trainer):
                                               tf.float32),
           "span": total["span"] + tf.cast(span, tf.float32),
       }
-    n = tf.maximum(tf.cast(done, tf.float32), 1.0)
+    n = tf.maximum(tf.cast(done - skipped, tf.float32), 1.0)
     means = {k: v / n for k, v in total.items()}
+    if self.loss_scale is not None:
+      means["skipped_steps"] = tf.cast(skipped, tf.float32)
+      means["loss_scale"] = self.loss_scale.scale.read_value()
     return means, bad_step, starts, ends
 
   def train(self, num_steps: int) -> Dict[str, float]:
@@ -216,7 +253,7 @@ class PipelineTrainer(Trainer):
       raise NonFiniteError(int(bad_step))
     self._last_timeline = (starts.numpy()[0], ends.numpy()[0])
     k, m = self.num_stages, self.num_microbatches
-    return {
+    metrics = {
         "train/loss": float(means["loss"]),
         "train/accuracy": float(means["accuracy"]),
         "train/grad_norm": float(means["grad_norm"]),
@@ -226,6 +263,10 @@ class PipelineTrainer(Trainer):
         "pipeline/bubble_formula": schedule_lib.bubble_formula(k, m),
         "pipeline/step_ms": 1e3 * float(means["span"]),
     }
+    if self.loss_scale is not None:
+      metrics["train/skipped_steps"] = float(means["skipped_steps"])
+      metrics["train/loss_scale"] = float(means["loss_scale"])
+    return metrics
 
   # -- what the controller logs besides scalars --
 

@@ -11,10 +11,10 @@ chief is the coordinator and the only process that runs this loop:
     worker (whichever the coordinator picks), one step of `_loop`:
       v   = step                       the version read at the start
       g   = grad(batch, weights read from the PSs)
-      tau = step - v                   the version at apply, minus v
-      drop if tau > --max_staleness    (and count it), else
-      t   = fetch_add(step)            this update's exact index
-      apply g if t < target, else give the slot back (the budget is spent)
+      under the PS lock:
+        tau = step - v                 the version at apply, minus v
+        drop if tau > --max_staleness  (and count it), else
+        apply g and step += 1 if step < target (else the budget is spent)
 
 The version is the number of applied updates, i.e. `step`, as in
 `--mode=async`: dropped gradients do not advance it, so after every applied
@@ -22,18 +22,23 @@ update the next gradient read at the new version is fresh, and the run makes
 progress for any bound and any W. ParameterServerStrategy has no staleness
 bound of its own; this is it.
 
-Counting. Concurrent workers update the PS variables without a lock, and
-read-modify-write counters lose increments: the Keras optimizer's
-`iterations` missed 352 of 500 updates in a trial. `step` moves only through
-`ResourceCountUpTo`, an atomic fetch-and-add under the variable's mutex that
-returns the value before the add, so it counts applied updates exactly and
-gives each one its index in the global order.
+The lock. Deciding and applying must be one atomic step: without it, two
+workers can both find tau within the bound and both apply, and the second
+is then staler than the bound allows (a trial without the lock applied
+updates 4 versions stale under --max_staleness=0). So the decision, the
+optimizer update and the step increment run in a `tf.CriticalSection` whose
+mutex lives on the PS next to `step`. Its ops run on the PSs only, after the
+gradients have arrived there, so a worker that dies mid-step cannot hold
+it; a PS that dies takes the whole state with it anyway (see Faults).
+Weights are read without the lock, like any PS reader: a read may see part
+of an update in flight, but never misses one counted before its `v`,
+because `step` moves after the update. Updates are serialised, as the async
+mode's applier is; the gradients are computed in parallel.
 
-Why no lock around check-and-apply: a lock held by a worker that dies would
-stall every other worker. So tau is measured when the worker decides, and an
-update may land while another is being applied; `order_staleness` (t - v,
-the staleness in the exact order of the counter) shows by how much, and is
-reported next to tau.
+Counting. Concurrent read-modify-write counters lose increments: the Keras
+optimizer's `iterations` missed 352 of 500 updates in a trial without the
+lock. `step` moves only under the lock, so it counts applied updates
+exactly.
 
 Data: each worker has its own dataset (`create_per_worker_dataset`). The
 dataset function is traced once and runs on every worker, so it draws its
@@ -78,7 +83,7 @@ def fetch_add(variable: tf.Variable) -> tf.Tensor:
 
   `assign_add(1)` followed by a read is two ops, so two workers can read the
   same value; `ResourceCountUpTo` increments and returns under the
-  variable's own mutex.
+  variable's own mutex. (The input shards are numbered with it.)
   """
   return tf.raw_ops.ResourceCountUpTo(resource=variable.handle,
                                       limit=_INT64_MAX, T=tf.int64)
@@ -166,13 +171,14 @@ class PSTrainer(Trainer):
                                         name="input_shards")
       self._target = tf.Variable(0, dtype=tf.int64, trainable=False,
                                  name="step_budget")
+    with tf.device(self.step.device):  # The lock lives with the counter.
+      self._lock = tf.CriticalSection(name="ps_update")
     self._iterator = None
     self._start_step = 0  # Where the workers' input starts (set at resume).
     self._loop = tf.function(self._loop_fn)
     self._tau_counts = np.zeros(TAU_BINS, np.int64)  # Whole run.
     self._tau_window = np.zeros(TAU_BINS, np.int64)  # Since the last log.
     self._dropped = 0
-    self._order_tau_max = 0
     self._applied_start = None
     self._train_seconds = 0.0
 
@@ -193,8 +199,8 @@ class PSTrainer(Trainer):
         start_step=self._start_step // self.num_workers)
     return fn(context)
 
-  def _replica_step(self, x, y, target):
-    cfg = self.config
+  def _replica_step(self, x, y):
+    """The gradient of one batch, and the version `v` it was read at."""
     variables = self.model.trainable_variables
     # Read v after this step's batch arrived (loop-variant, so the read is
     # never hoisted out of the step loop) and before the weights.
@@ -208,30 +214,39 @@ class PSTrainer(Trainer):
         if self.model.losses:
           loss += tf.add_n(self.model.losses)
       grads = tape.gradient(loss, variables)
-    finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g))
-                            for g in grads])
-    with tf.control_dependencies(grads):  # The version at apply time.
-      tau = self.step.read_value() - read_version
-    fresh = (tf.constant(cfg.max_staleness < 0)
-             | (tau <= cfg.max_staleness))
-    accept = finite & fresh
-    ticket = tf.cond(accept, lambda: fetch_add(self.step),
-                     lambda: tf.constant(-1, tf.int64))
-    apply = accept & (ticket < target)
-
-    def give_back():  # Another worker took the last slot of this budget.
-      self.step.assign_add(-1)
-      return tf.constant(True)
-
-    tf.cond(accept & ~apply, give_back, lambda: tf.constant(False))
-    optim.apply_reduced(self.optimizer, grads, variables, apply)
     correct = tf.reduce_mean(tf.cast(
         tf.equal(tf.argmax(logits, -1, output_type=tf.int32),
                  tf.cast(y, tf.int32)), tf.float32))
-    return {"loss": loss, "accuracy": correct,
-            "grad_norm": tf.linalg.global_norm(grads), "applied": apply,
-            "dropped": finite & ~fresh, "finite": finite, "tau": tau,
-            "order_tau": ticket - read_version}
+    return {"grads": grads, "read_version": read_version, "loss": loss,
+            "accuracy": correct, "grad_norm": tf.linalg.global_norm(grads)}
+
+  def _decide_and_apply(self, grads, read_version, target):
+    """Applies `grads` if they are finite, fresh enough and within budget.
+
+    Runs under the PS lock (see the module docstring), in cross-replica
+    context: a lock taken inside `strategy.run` would be held across the
+    replica thread's `merge_call` hand-off, which deadlocks tracing.
+    """
+    finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g))
+                            for g in grads])
+
+    def locked():
+      # Nothing else moves `step` while this runs, so tau is exact. Every op
+      # here is on the PSs: the lock never waits on a worker.
+      now = self.step.read_value()
+      tau = now - read_version
+      fresh = (tf.constant(self.config.max_staleness < 0)
+               | (tau <= self.config.max_staleness))
+      apply = finite & fresh & (now < target)
+      applied = optim.apply_reduced(self.optimizer, grads,
+                                    self.model.trainable_variables, apply)
+      with tf.control_dependencies([applied]):  # Count after the update.
+        counted = self.step.assign_add(tf.cast(apply, tf.int64))
+      return {"applied": apply, "tau": tau, "dropped": finite & ~fresh,
+              "finite": finite, "step": counted.read_value()}
+
+    with tf.device(self.step.device):
+      return self._lock.execute(locked)
 
   def _loop_fn(self, iterator):
     target = self._target.read_value()
@@ -240,14 +255,15 @@ class PSTrainer(Trainer):
     nonfinite = tf.constant(0, tf.int64)
     sums = {"loss": 0.0, "accuracy": 0.0, "grad_norm": 0.0}
     tau_counts = tf.zeros([TAU_BINS], tf.int64)
-    order_tau_max = tf.constant(0, tf.int64)
     for _ in tf.range(self.config.ps_steps_per_call):
       if self.step.read_value() >= target:
         break
       x, y = next(iterator)
-      out = self.strategy.run(self._replica_step, args=(x, y, target))
+      out = self.strategy.run(self._replica_step, args=(x, y))
       out = tf.nest.map_structure(
           lambda v: self.strategy.experimental_local_results(v)[0], out)
+      out.update(self._decide_and_apply(out["grads"], out["read_version"],
+                                        target))
       ok = tf.cast(out["applied"], tf.int64)
       applied += ok
       dropped += tf.cast(out["dropped"], tf.int64)
@@ -255,9 +271,8 @@ class PSTrainer(Trainer):
       sums = {k: v + tf.cast(ok, tf.float32) * out[k] for k, v in sums.items()}
       tau_counts += ok * tf.one_hot(tf.minimum(out["tau"], TAU_BINS - 1),
                                     TAU_BINS, dtype=tf.int64)
-      order_tau_max = tf.maximum(order_tau_max, ok * out["order_tau"])
     return {"applied": applied, "dropped": dropped, "nonfinite": nonfinite,
-            "tau_counts": tau_counts, "order_tau_max": order_tau_max, **sums}
+            "tau_counts": tau_counts, **sums}
 
   # -- on the chief --
 
@@ -301,8 +316,6 @@ class PSTrainer(Trainer):
         for k in totals:
           totals[k] += out[k].item()
         taus += out["tau_counts"]
-        self._order_tau_max = max(self._order_tau_max,
-                                  int(out["order_tau_max"]))
       if totals["nonfinite"]:
         raise NonFiniteError(int(self.step.numpy()) + 1)
       step = int(self.step.numpy())
@@ -383,6 +396,9 @@ class PSTrainer(Trainer):
     values = np.arange(TAU_BINS)
     return {
         "ps_workers": self.num_workers,
+        # PSS places whole variables round-robin over the servers.
+        "ps_servers_holding_weights": len(
+            {v.value.device for v in self.model.trainable_variables}),
         "ps_applied": (self._read_step() - self._applied_start
                        if self._applied_start is not None else 0),
         "ps_dropped": self._dropped,
@@ -392,7 +408,6 @@ class PSTrainer(Trainer):
         "ps_staleness_max": int(values[counts > 0].max()) if applied else None,
         "ps_staleness_counts": {str(t): int(c) for t, c in enumerate(counts)
                                 if c},
-        "ps_order_staleness_max": self._order_tau_max,
         # For comparison only: `step` is what counts (see the docstring).
         "ps_optimizer_iterations": self._read(self.optimizer.iterations),
         "ps_updates_per_sec": (applied / self._train_seconds

@@ -124,12 +124,6 @@ class SyncTrainer(Trainer):
   def scope(self):
     return self.strategy.scope()
 
-  def checkpoint_items(self):
-    items = super().checkpoint_items()
-    if self.loss_scale is not None:
-      items["loss_scale"] = self.loss_scale
-    return items
-
   def on_master(self, fn, *args):
     if fn not in self._on_master_fns:  # One tf.function per fn: no retrace.
       self._on_master_fns[fn] = tf.function(

@@ -16,6 +16,16 @@ exactly the order the schedule gives, and across devices only data moves:
   stage's parameter gradients, which are added to the stage's accumulator.
   Once the tape is used, its activations can be freed.
 
+With float16 loss scaling (`step(..., loss_scale=scale)`), the last stage's
+tape differentiates loss * scale instead of the loss, so the backward pass
+starts from d(loss * scale): every activation gradient sent from stage k to
+stage k-1 (float16 under mixed_float16) is scaled, which keeps the small
+ones from underflowing on the way. The stages' parameter gradients come out
+scaled too; they are accumulated and reduced scaled, and the caller unscales
+them once, after the reduction, and checks them for overflow (see
+precision.py). The scale is read once per step, so all stages and replicas
+use the same one.
+
 After the schedule, each stage's accumulated gradients are reduced across
 the R data-parallel replicas (hybrid mode): packed into one flat vector per
 replica and summed on the stage's master device, one reduction per stage per
@@ -29,7 +39,7 @@ step's measured busy time per stage and bubble are computed, and the
 timeline is drawn.
 """
 
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import keras
 import tensorflow as tf
@@ -114,12 +124,18 @@ class PipelineExecutor:
 
   # -- one step --
 
-  def step(self, x: tf.Tensor, y: tf.Tensor) -> Dict[str, tf.Tensor]:
+  def step(self, x: tf.Tensor, y: tf.Tensor,
+           loss_scale: Optional[tf.Tensor] = None) -> Dict[str, tf.Tensor]:
     """Builds one pipelined step on the global batch (x, y). Call traced.
+
+    Args:
+      x, y: the global batch.
+      loss_scale: a float32 scalar the backward pass starts from (float16
+        loss scaling), or None: no scaling, and no op is added for it.
 
     Returns:
       grads: reduced gradients, one per variable (see `variables`), on the
-        stage's master device.
+        stage's master device; multiplied by `loss_scale` if given.
       loss, correct: the global-batch mean loss and number of correct
         predictions.
       starts, ends: float64 [R, K, 2M] timestamps (seconds) of each stage's
@@ -154,7 +170,7 @@ class PipelineExecutor:
           with tf.control_dependencies([t0]):
             if action.kind == schedule_lib.FORWARD:
               done = self._forward_action(r, k, i, inp, ys, tapes, outputs,
-                                          losses, corrects)
+                                          losses, corrects, loss_scale)
             else:
               done = self._backward_action(r, k, i, inp, tapes, outputs,
                                            accum)
@@ -170,8 +186,11 @@ class PipelineExecutor:
             "ends": tf.stack([[tf.stack(e) for e in row] for row in ends])}
 
   def _forward_action(self, r, k, i, inp, ys, tapes, outputs, losses,
-                      corrects):
-    """F i on stage k of replica r; returns the tensors that end it."""
+                      corrects, loss_scale):
+    """F i on stage k of replica r; returns the tensors that end it.
+
+    On the last stage the tape's target, where B i starts, is the loss times
+    `loss_scale` if given; `losses` gets the unscaled loss either way."""
     last = k == self.num_stages - 1
     inp = tf.identity(inp)  # The received copy, on this device.
     with tf.GradientTape() as tape:
@@ -183,14 +202,15 @@ class PipelineExecutor:
         per_example = keras.losses.sparse_categorical_crossentropy(
             labels, out, from_logits=True)
         loss = tf.reduce_sum(per_example) / self.global_batch_size
+        target = loss if loss_scale is None else loss * loss_scale
     if last:
       correct = tf.reduce_sum(tf.cast(tf.equal(
           tf.argmax(out, -1, output_type=tf.int32),
           tf.cast(labels, tf.int32)), tf.float32))
       losses.append(loss)
       corrects.append(correct)
-      tapes[(k, i)] = (tape, inp, loss)
-      return [loss, correct]
+      tapes[(k, i)] = (tape, inp, target)
+      return [target, correct]
     tapes[(k, i)] = (tape, inp, out)
     outputs[(k, "F", i)] = out
     return [out]
