@@ -104,7 +104,10 @@ def _update(strategy, optimizer, grads, variables, ok, lr_scale=None):
       _tf_variable(optimizer.iterations),
       lambda it, apply: it.assign_add(tf.cast(apply, it.dtype)).read_value(),
       args=(ok,), group=False))
-  return done
+  # As plain tensors: strategies wrap each result (a 1-tuple, or a mirrored
+  # value), and a control dependency on a wrapper silently adds no edge.
+  return [t for result in tf.nest.flatten(done)
+          for t in strategy.experimental_local_results(result)]
 
 
 def _tf_variable(v):

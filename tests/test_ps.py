@@ -10,14 +10,16 @@ import os
 import signal
 import sys
 import time
+import types
 
 import numpy as np
 import tensorflow as tf
 
 from conftest import run_launch
-from dist_loop import Config, checkpoints
+from dist_loop import Config, checkpoints, optim
 from dist_loop.evaluation import Evaluator
 from dist_loop.data import DATASETS
+from dist_loop.modes.ps import PSTrainer
 
 from tools import launch
 
@@ -59,9 +61,7 @@ def test_ps_trains_digits_within_the_staleness_bound(tmp_path):
   assert max(counts) <= MAX_STALENESS
   assert s["ps_staleness_max"] <= MAX_STALENESS
   assert s["ps_dropped"] >= 0 and s["ps_workers"] == 2
-  # Decide-and-apply is serialised by the PS lock: the optimizer's own
-  # read-modify-write counter, which loses increments under concurrent
-  # updates, lost none.
+  # Every applied update moved the optimizer once, and only those did.
   assert s["ps_optimizer_iterations"] == steps
   # The checkpoint has the names of every other mode: a plain model reads it.
   config = Config(workdir=str(workdir), dataset="digits", model="mlp")
@@ -69,6 +69,59 @@ def test_ps_trains_digits_within_the_staleness_bound(tmp_path):
   split = DATASETS.get("digits")(None, 0, None)
   accuracy = Evaluator(model, split, 256).evaluate()["eval/accuracy"]
   np.testing.assert_allclose(accuracy, s["eval_accuracy"], atol=1e-6)
+
+
+def _ancestor_types(op):
+  """The types of every op `op` waits for, by data or control edges."""
+  seen, stack, types = set(), [op], set()
+  while stack:
+    op = stack.pop()
+    if op.name not in seen:
+      seen.add(op.name)
+      types.add(op.type)
+      stack += [t.op for t in op.inputs] + list(op.control_inputs)
+  return types
+
+
+def test_decide_and_apply_is_one_locked_step():
+  """The PS-side decision, update and count, without a cluster: the same
+  method on a stand-in trainer, under the default strategy."""
+  v = tf.Variable([1.0, 2.0])
+  step = tf.Variable(5, dtype=tf.int64)
+  trainer = types.SimpleNamespace(
+      config=types.SimpleNamespace(max_staleness=0), step=step,
+      optimizer=optim.make("sgd", 1.0, [v]),
+      model=types.SimpleNamespace(trainable_variables=[v]),
+      _lock=tf.CriticalSection())
+  fn = tf.function(lambda g, read, target: PSTrainer._decide_and_apply(
+      trainer, [g], read, target))
+  g = tf.constant([1.0, 1.0])
+
+  def call(grad, read, target=100):
+    out = fn(grad, tf.constant(read, tf.int64), tf.constant(target, tf.int64))
+    return {k: x.numpy() for k, x in out.items()}
+
+  out = call(g, 4)  # One update since the read: too stale for a bound of 0.
+  assert (not out["applied"] and out["dropped"] and out["tau"] == 1
+          and step.numpy() == 5 and v.numpy().tolist() == [1.0, 2.0])
+  out = call(g, 5)  # Fresh: applied, and counted once.
+  assert out["applied"] and out["tau"] == 0 and out["step"] == 6
+  assert v.numpy().tolist() == [0.0, 1.0]
+  assert int(trainer.optimizer.iterations.numpy()) == 1
+  out = call(g, 6, target=6)  # Fresh, but this call's budget is spent.
+  assert not out["applied"] and not out["dropped"] and step.numpy() == 6
+  out = call(tf.constant([np.inf, 1.0]), 6)
+  assert not out["finite"] and not out["applied"] and step.numpy() == 6
+  # The lock is released (ConsumeMutexLock) only after the optimizer's
+  # update (an If: it runs only if applied) and the step increment.
+  graph = fn.get_concrete_function(
+      tf.TensorSpec([2], tf.float32), tf.TensorSpec([], tf.int64),
+      tf.TensorSpec([], tf.int64)).graph
+  release = [op for op in graph.get_operations()
+             if op.type == "ConsumeMutexLock"]
+  assert len(release) == 1
+  waits_for = _ancestor_types(release[0])
+  assert {"MutexLock", "If", "AssignAddVariableOp"} <= waits_for, waits_for
 
 
 def _wait_for(path, text, launcher, timeout=90):

@@ -21,6 +21,8 @@ from dist_loop.data import pipeline
 from dist_loop.data.base import DATASETS, Split
 from dist_loop.errors import NonFiniteError, UserError
 from dist_loop.modes import sync
+from dist_loop.modes.async_mode import AsyncTrainer
+from dist_loop.modes.pipeline import PipelineTrainer
 
 NAN_EXAMPLES = 640
 BATCH = 32
@@ -77,24 +79,39 @@ def test_rollback_gives_up_after_max_rollbacks(small_config):
     train.run(cfg)
 
 
+# Every mode that can roll back; async with one worker, whose updates are
+# sequential SGD, so that the two runs can be compared exactly.
+ROLLBACK_MODES = {
+    "sync": (sync.SyncTrainer, dict(num_devices=2)),
+    "pipeline": (PipelineTrainer, dict(mode="pipeline", num_devices=2,
+                                       num_stages=2, num_microbatches=2)),
+    "async": (AsyncTrainer, dict(mode="async", num_devices=1,
+                                 async_workers=1)),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(ROLLBACK_MODES))
 def test_transient_nonfinite_rollback_equals_uninterrupted(
-    small_config, tmp_path, monkeypatch):
+    small_config, tmp_path, monkeypatch, mode):
+  trainer_class, extra = ROLLBACK_MODES[mode]
   common = dict(train_steps=12, checkpoint_every=4, steps_per_loop=2,
                 log_every=2, optimizer="adam", learning_rate=0.01,
-                nonfinite="rollback")
+                nonfinite="rollback", **extra)
   clean = small_config(workdir=str(tmp_path / "clean"), **common)
   train.run(clean)
-  original = sync.SyncTrainer.train
+  original = trainer_class.train
   calls = []
 
-  def flaky(self, n):  # The 4th inner loop (steps 7-8) "overflows" once.
-    calls.append(n)
+  def flaky(self, n):  # The 4th inner loop (steps 7-8) fails once, after
+    calls.append(n)    # its updates were applied: they must be undone.
     if len(calls) == 4:
-      self.train_real = original(self, n)
+      original(self, n)
+      if mode == "async":
+        self.close()  # As AsyncTrainer.train does before it raises.
       raise NonFiniteError(int(self.step.numpy()))
     return original(self, n)
 
-  monkeypatch.setattr(sync.SyncTrainer, "train", flaky)
+  monkeypatch.setattr(trainer_class, "train", flaky)
   faulty = small_config(workdir=str(tmp_path / "faulty"), **common)
   summary = train.run(faulty)
   assert summary["rollbacks"] == 1 and summary["final_step"] == 12

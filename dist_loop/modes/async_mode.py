@@ -156,6 +156,15 @@ class AsyncTrainer(Trainer):
                config.global_batch_size, config.seed, config.precision)
         for i in range(num_workers)]
     self.straggler = straggler_lib.parse(config.straggler)
+    self._failure_lock = threading.Lock()
+    self._threads: List[threading.Thread] = []
+    self._new_run()
+    self._history_taus: List[int] = []  # Since the last `histograms()`.
+    self._train_seconds = 0.0
+
+  def _new_run(self) -> None:
+    """Fresh queues and flags: the next `train` starts the threads anew."""
+    num_workers = len(self.workers)
     # A worker has at most one push in flight (see `_worker_loop`), so the
     # queue never holds more than W pushes: memory is flat.
     self._pushes: "queue.Queue[Push]" = queue.Queue(maxsize=num_workers)
@@ -163,12 +172,19 @@ class AsyncTrainer(Trainer):
     self._budgets: "queue.Queue[int]" = queue.Queue()
     self._tallies: "queue.Queue[_Tally]" = queue.Queue()
     self._stop = threading.Event()
-    self._failure_lock = threading.Lock()
     self._failure: Optional[WorkerFailed] = None
-    self._threads: List[threading.Thread] = []
     self._started = False
-    self._history_taus: List[int] = []  # Since the last `histograms()`.
-    self._train_seconds = 0.0
+
+  def on_restore(self) -> None:
+    """After a rollback: the threads were stopped at the non-finite update;
+    pushes computed on the abandoned weights are dropped with the queue, and
+    the next `train` restarts the threads, the version and each worker's
+    input at the restored step."""
+    self.close()
+    if self._threads:  # A thread that outlived close() holds the old queues.
+      raise RuntimeError("async threads did not stop for the rollback: "
+                         + ", ".join(t.name for t in self._threads))
+    self._new_run()
 
   # -- the main thread's side --
 

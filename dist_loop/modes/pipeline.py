@@ -177,6 +177,9 @@ class PipelineTrainer(Trainer):
           "and its moving averages are updated once per micro-batch",
           self.config.global_batch_size // self.replicas // m)
 
+  def on_restore(self):
+    self._iterator = None  # Rebuilt from the restored step.
+
   # -- one step, and the inner loop: num_steps of them in one tf.function --
 
   def _step_fn(self, x, y):
