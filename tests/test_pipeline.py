@@ -91,6 +91,16 @@ def test_hybrid_two_replicas_of_two_stages_equals_sync(make, sync_reference,
   assert max_diff(sync_reference, trained_variables(config)) <= TOLERANCE
 
 
+def test_hybrid_with_a_stage_without_variables_equals_sync(make,
+                                                         sync_reference):
+  # Stage 0 is the Flatten alone: it has no gradients to reduce over the
+  # replicas. (The timed split can choose this too, under load.)
+  config = make("hybrid_flatten", mode="pipeline", num_devices=4,
+                num_stages=2, num_microbatches=2, stage_split="explicit",
+                split_points="1")
+  assert max_diff(sync_reference, trained_variables(config)) <= TOLERANCE
+
+
 def test_three_stages_explicit_split_equals_sync(make, sync_reference):
   config = make("three", mode="pipeline", num_devices=3, num_stages=3,
                 num_microbatches=2, stage_split="explicit",

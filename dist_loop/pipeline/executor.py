@@ -237,6 +237,8 @@ class PipelineExecutor:
       return [g for stage in accum[0] for g in stage]
     grads = []
     for k in range(self.num_stages):
+      if not accum[0][k]:  # A stage without variables (e.g. only a Flatten).
+        continue
       shapes = [g.shape for g in accum[0][k]]
       sizes = [s.num_elements() for s in shapes]
       packed = []
