@@ -66,8 +66,13 @@ class DynamicLossScale(tf.Module):
 
   def update(self, ok: tf.Tensor) -> None:
     """Halves the scale after a non-finite step; doubles it after
-    `growth_interval` finite ones. Call in replica context."""
-    tf.distribute.get_replica_context().merge_call(self._update, args=(ok,))
+    `growth_interval` finite ones. Call in replica context, or in
+    cross-replica context (the ps mode, under its update lock)."""
+    if tf.distribute.in_cross_replica_context():
+      self._update(tf.distribute.get_strategy(), ok)
+    else:
+      tf.distribute.get_replica_context().merge_call(self._update,
+                                                     args=(ok,))
 
   def _update(self, strategy, ok):
     def scale_fn(scale, good, ok):

@@ -83,24 +83,35 @@ def _ancestor_types(op):
   return types
 
 
-def test_decide_and_apply_is_one_locked_step():
-  """The PS-side decision, update and count, without a cluster: the same
-  method on a stand-in trainer, under the default strategy."""
-  v = tf.Variable([1.0, 2.0])
-  step = tf.Variable(5, dtype=tf.int64)
-  trainer = types.SimpleNamespace(
-      config=types.SimpleNamespace(max_staleness=0), step=step,
-      optimizer=optim.make("sgd", 1.0, [v]),
-      model=types.SimpleNamespace(trainable_variables=[v]),
-      _lock=tf.CriticalSection())
-  fn = tf.function(lambda g, read, target: PSTrainer._decide_and_apply(
-      trainer, [g], read, target))
-  g = tf.constant([1.0, 1.0])
+def _stand_in_trainer(variable, step, loss_scale=None):
+  """A PSTrainer without a cluster: its variables are local, under the
+  default strategy, and only what `_decide_and_apply` reads is set."""
+  trainer = PSTrainer.__new__(PSTrainer)
+  trainer.config = types.SimpleNamespace(max_staleness=0)
+  trainer.step = step
+  trainer.optimizer = optim.make("sgd", 1.0, [variable])
+  trainer.model = types.SimpleNamespace(trainable_variables=[variable])
+  trainer.loss_scale = loss_scale
+  trainer._lock = tf.CriticalSection()  # pylint: disable=protected-access
+  fn = tf.function(
+      lambda g, read, target, loss, scale: trainer._decide_and_apply(  # pylint: disable=protected-access
+          [g], read, target, loss, scale))
 
-  def call(grad, read, target=100):
-    out = fn(grad, tf.constant(read, tf.int64), tf.constant(target, tf.int64))
+  def call(grad, read, target=100, loss=1.0, scale=1.0):
+    out = fn(tf.constant(grad, tf.float32), tf.constant(read, tf.int64),
+             tf.constant(target, tf.int64), tf.constant(loss, tf.float32),
+             tf.constant(scale, tf.float32))
     return {k: x.numpy() for k, x in out.items()}
 
+  return trainer, fn, call
+
+
+def test_decide_and_apply_is_one_locked_step():
+  """The PS-side decision, update and count, on a stand-in trainer."""
+  v = tf.Variable([1.0, 2.0])
+  step = tf.Variable(5, dtype=tf.int64)
+  trainer, fn, call = _stand_in_trainer(v, step)
+  g = [1.0, 1.0]
   out = call(g, 4)  # One update since the read: too stale for a bound of 0.
   assert (not out["applied"] and out["dropped"] and out["tau"] == 1
           and step.numpy() == 5 and v.numpy().tolist() == [1.0, 2.0])
@@ -110,18 +121,43 @@ def test_decide_and_apply_is_one_locked_step():
   assert int(trainer.optimizer.iterations.numpy()) == 1
   out = call(g, 6, target=6)  # Fresh, but this call's budget is spent.
   assert not out["applied"] and not out["dropped"] and step.numpy() == 6
-  out = call(tf.constant([np.inf, 1.0]), 6)
-  assert not out["finite"] and not out["applied"] and step.numpy() == 6
+  out = call([np.inf, 1.0], 6)  # No loss scaling: a real non-finite step.
+  assert out["nonfinite"] and not out["skipped"] and not out["applied"]
   # The lock is released (ConsumeMutexLock) only after the optimizer's
   # update (an If: it runs only if applied) and the step increment.
+  spec = tf.TensorSpec([], tf.float32)
   graph = fn.get_concrete_function(
       tf.TensorSpec([2], tf.float32), tf.TensorSpec([], tf.int64),
-      tf.TensorSpec([], tf.int64)).graph
+      tf.TensorSpec([], tf.int64), spec, spec).graph
   release = [op for op in graph.get_operations()
              if op.type == "ConsumeMutexLock"]
   assert len(release) == 1
   waits_for = _ancestor_types(release[0])
   assert {"MutexLock", "If", "AssignAddVariableOp"} <= waits_for, waits_for
+
+
+def test_fp16_overflow_is_skipped_and_halves_the_scale_once():
+  from dist_loop.precision import DynamicLossScale  # pylint: disable=g-import-not-at-top
+  v = tf.Variable([1.0, 2.0])
+  step = tf.Variable(5, dtype=tf.int64)
+  scale = DynamicLossScale(initial_scale=2.0 ** 10)
+  trainer, _, call = _stand_in_trainer(v, step, scale)
+  inf = [np.inf, 1.0]
+  out = call(inf, 5, scale=2.0 ** 10)  # Overflow at the scale in force.
+  assert out["skipped"] and not out["nonfinite"] and not out["applied"]
+  assert scale.scale.numpy() == 2.0 ** 9 and step.numpy() == 5
+  assert v.numpy().tolist() == [1.0, 2.0]
+  assert int(trainer.optimizer.iterations.numpy()) == 0
+  out = call(inf, 5, scale=2.0 ** 10)  # At the old scale: no second halving.
+  assert out["skipped"] and scale.scale.numpy() == 2.0 ** 9
+  out = call([1.0, 1.0], 5, scale=2.0 ** 9)  # A good step: applied, counted.
+  assert out["applied"] and step.numpy() == 6
+  assert int(scale.good_steps.numpy()) == 1
+  out = call(inf, 6, loss=np.nan, scale=2.0 ** 9)  # A NaN loss is real.
+  assert out["nonfinite"] and not out["skipped"]
+  scale.scale.assign(1.0)
+  out = call(inf, 6, scale=1.0)  # At the floor, nothing is left to unscale.
+  assert out["nonfinite"] and not out["skipped"] and scale.scale.numpy() == 1
 
 
 def _wait_for(path, text, launcher, timeout=90):
@@ -135,11 +171,13 @@ def _wait_for(path, text, launcher, timeout=90):
 def test_a_killed_worker_is_ridden_out(tmp_path):
   # Two parameter servers: the variables are spread over both, and the
   # update lock on ps:0 still orders every update (one count, no loss).
+  # In float16, so that the loss-scaled path runs across the cluster too.
   workdir = tmp_path / "run"
   steps = 400
   launcher = launch.Launcher(
       _command(workdir, dataset="synthetic", model="mlp", train_steps=steps,
-               steps_per_loop=20, log_every=20), num_workers=2, num_ps=2,
+               steps_per_loop=20, log_every=20,
+               precision="mixed_float16"), num_workers=2, num_ps=2,
       log_dir=str(workdir / "logs"), timeout_s=120, quiet=True)
   launcher.start()
   try:
@@ -154,6 +192,10 @@ def test_a_killed_worker_is_ridden_out(tmp_path):
   assert s["final_step"] == steps and s["ps_applied"] == steps
   assert s["ps_optimizer_iterations"] == steps
   assert s["ps_servers_holding_weights"] == 2
+  saved = tf.train.load_checkpoint(str(workdir / "checkpoints"))
+  scale = [k for k in saved.get_variable_to_shape_map()
+           if k.startswith("loss_scale/scale")]
+  assert scale and saved.get_tensor(scale[0]) >= 1.0
 
 
 def test_a_killed_ps_stops_the_run_and_a_rerun_resumes(tmp_path):

@@ -40,6 +40,11 @@ optimizer's `iterations` missed 352 of 500 updates in a trial without the
 lock. `step` moves only under the lock, so it counts applied updates
 exactly.
 
+Mixed precision: with float16, the loss scale is a PS variable; a worker
+reads it with `v`, differentiates loss * scale and unscales, and the
+overflow rule of `--mode=async` is applied under the lock
+(`_answer_overflow`).
+
 Data: each worker has its own dataset (`create_per_worker_dataset`). The
 dataset function is traced once and runs on every worker, so it draws its
 shard id from a PS counter (fetch_add again): worker shards are disjoint
@@ -65,6 +70,7 @@ from absl import logging
 from dist_loop import cluster as cluster_lib
 from dist_loop.cluster import ClusterError
 from dist_loop import models, optim
+from dist_loop import precision as precision_lib
 from dist_loop.async_ import policies
 from dist_loop.data import train_dataset_fn
 from dist_loop.errors import NonFiniteError, UserError
@@ -112,6 +118,7 @@ class PSTrainer(Trainer):
   """The coordinator's side: schedules K-step calls on the workers."""
 
   multi_process = True
+  precisions = precision_lib.PRECISIONS  # float16: see _decide_and_apply.
 
   @classmethod
   def num_replicas(cls, config) -> int:
@@ -162,7 +169,10 @@ class PSTrainer(Trainer):
         self.strategy)
     with self.strategy.scope():  # Every variable lives on a PS.
       self.model = models.build(config.model, split.input_shape,
-                                split.num_classes)
+                                split.num_classes, precision=config.precision)
+      self.loss_scale = (precision_lib.DynamicLossScale()
+                         if precision_lib.needs_loss_scale(config.precision)
+                         else None)
       self.optimizer = optim.make(config.optimizer, config.learning_rate,
                                   self.model.trainable_variables)
       self.step = tf.Variable(0, dtype=tf.int64, trainable=False,
@@ -179,6 +189,7 @@ class PSTrainer(Trainer):
     self._tau_counts = np.zeros(TAU_BINS, np.int64)  # Whole run.
     self._tau_window = np.zeros(TAU_BINS, np.int64)  # Since the last log.
     self._dropped = 0
+    self._skipped = 0
     self._applied_start = None
     self._train_seconds = 0.0
 
@@ -200,32 +211,46 @@ class PSTrainer(Trainer):
     return fn(context)
 
   def _replica_step(self, x, y):
-    """The gradient of one batch, and the version `v` it was read at."""
+    """The gradient of one batch, the version `v` it was read at and, with
+    float16, the loss scale it was computed at (unscaled here)."""
     variables = self.model.trainable_variables
     # Read v after this step's batch arrived (loop-variant, so the read is
     # never hoisted out of the step loop) and before the weights.
     with tf.control_dependencies([x, y]):
       read_version = self.step.read_value()
     with tf.control_dependencies([read_version]):
+      scale = (tf.constant(1.0) if self.loss_scale is None
+               else self.loss_scale.scale.read_value())
       with tf.GradientTape() as tape:
-        logits = self.model(x, training=True)
+        logits = tf.cast(self.model(x, training=True), tf.float32)
         loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(
             y, logits, from_logits=True))
         if self.model.losses:
           loss += tf.add_n(self.model.losses)
-      grads = tape.gradient(loss, variables)
+        scaled = loss if self.loss_scale is None else loss * scale
+      grads = tape.gradient(scaled, variables)
+      if self.loss_scale is not None:
+        grads = [g / scale for g in grads]
     correct = tf.reduce_mean(tf.cast(
         tf.equal(tf.argmax(logits, -1, output_type=tf.int32),
                  tf.cast(y, tf.int32)), tf.float32))
     return {"grads": grads, "read_version": read_version, "loss": loss,
-            "accuracy": correct, "grad_norm": tf.linalg.global_norm(grads)}
+            "loss_scale": scale, "accuracy": correct,
+            "grad_norm": tf.linalg.global_norm(grads)}
 
-  def _decide_and_apply(self, grads, read_version, target):
+  def _decide_and_apply(self, grads, read_version, target, loss, loss_scale):
     """Applies `grads` if they are finite, fresh enough and within budget.
 
     Runs under the PS lock (see the module docstring), in cross-replica
     context: a lock taken inside `strategy.run` would be held across the
     replica thread's `merge_call` hand-off, which deadlocks tracing.
+
+    With float16, non-finite gradients of a finite loss are an overflow,
+    handled as in `--mode=async` (async_/applier.py): the gradient is
+    skipped, and the scale halves only if the gradient was computed at the
+    scale in force or a smaller one (not at an older, larger scale that
+    was already halved); at the floor scale 1.0 it is a real non-finite
+    step. Each applied update counts a good step towards the scale's growth.
     """
     finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g))
                             for g in grads])
@@ -242,17 +267,36 @@ class PSTrainer(Trainer):
                                     self.model.trainable_variables, apply)
       with tf.control_dependencies([applied]):  # Count after the update.
         counted = self.step.assign_add(tf.cast(apply, tf.int64))
-      return {"applied": apply, "tau": tau, "dropped": finite & ~fresh,
-              "finite": finite, "step": counted.read_value()}
+      skipped = self._answer_overflow(finite, apply, loss, loss_scale)
+      return {"applied": apply, "tau": tau,
+              "dropped": finite & ~fresh, "skipped": skipped,
+              "nonfinite": ~finite & ~skipped, "step": counted.read_value()}
 
     with tf.device(self.step.device):
       return self._lock.execute(locked)
 
+  def _answer_overflow(self, finite, applied, loss, loss_scale):
+    """Moves the float16 loss scale; returns whether a non-finite gradient
+    is an overflow to skip. Without loss scaling it never is."""
+    if self.loss_scale is None:
+      return tf.constant(False)
+    current = self.loss_scale.scale.read_value()
+    overflow = ~finite & tf.math.is_finite(loss)
+    older_scale = loss_scale > current  # Already answered by a halving.
+    halve = overflow & ~older_scale & (current > 1.0)
+
+    def update():
+      self.loss_scale.update(applied)
+      return tf.constant(True)
+
+    moved = tf.cond(applied | halve, update, lambda: tf.constant(False))
+    with tf.control_dependencies([moved]):
+      return tf.identity(overflow & (older_scale | halve))
+
   def _loop_fn(self, iterator):
     target = self._target.read_value()
-    applied = tf.constant(0, tf.int64)
-    dropped = tf.constant(0, tf.int64)
-    nonfinite = tf.constant(0, tf.int64)
+    counts = {k: tf.constant(0, tf.int64)
+              for k in ("applied", "dropped", "skipped", "nonfinite")}
     sums = {"loss": 0.0, "accuracy": 0.0, "grad_norm": 0.0}
     tau_counts = tf.zeros([TAU_BINS], tf.int64)
     for _ in tf.range(self.config.ps_steps_per_call):
@@ -263,16 +307,14 @@ class PSTrainer(Trainer):
       out = tf.nest.map_structure(
           lambda v: self.strategy.experimental_local_results(v)[0], out)
       out.update(self._decide_and_apply(out["grads"], out["read_version"],
-                                        target))
+                                        target, out["loss"],
+                                        out["loss_scale"]))
+      counts = {k: v + tf.cast(out[k], tf.int64) for k, v in counts.items()}
       ok = tf.cast(out["applied"], tf.int64)
-      applied += ok
-      dropped += tf.cast(out["dropped"], tf.int64)
-      nonfinite += tf.cast(~out["finite"], tf.int64)
       sums = {k: v + tf.cast(ok, tf.float32) * out[k] for k, v in sums.items()}
       tau_counts += ok * tf.one_hot(tf.minimum(out["tau"], TAU_BINS - 1),
                                     TAU_BINS, dtype=tf.int64)
-    return {"applied": applied, "dropped": dropped, "nonfinite": nonfinite,
-            "tau_counts": tau_counts, **sums}
+    return {**counts, "tau_counts": tau_counts, **sums}
 
   # -- on the chief --
 
@@ -294,8 +336,8 @@ class PSTrainer(Trainer):
     # The budget reaches the workers through a PS variable, set while no call
     # runs: a scheduled call's only argument is its worker's iterator.
     self._target.assign(target)
-    totals = {"applied": 0, "dropped": 0, "nonfinite": 0, "loss": 0.0,
-              "accuracy": 0.0, "grad_norm": 0.0}
+    totals = {"applied": 0, "dropped": 0, "skipped": 0, "nonfinite": 0,
+              "loss": 0.0, "accuracy": 0.0, "grad_norm": 0.0}
     taus = np.zeros(TAU_BINS, np.int64)
     t0 = time.perf_counter()
     step = start
@@ -322,11 +364,12 @@ class PSTrainer(Trainer):
     seconds = max(time.perf_counter() - t0, 1e-9)
     self._train_seconds += seconds
     self._dropped += int(totals["dropped"])
+    self._skipped += int(totals["skipped"])
     self._tau_counts += taus
     self._tau_window += taus
     n = max(int(totals["applied"]), 1)
     values = np.arange(TAU_BINS)
-    return {
+    metrics = {
         "train/loss": totals["loss"] / n,
         "train/accuracy": totals["accuracy"] / n,
         "train/grad_norm": totals["grad_norm"] / n,
@@ -337,7 +380,11 @@ class PSTrainer(Trainer):
                                   else 0),
         "ps/drops_per_update": int(totals["dropped"]) / n,
         "ps/updates_per_sec": num_steps / seconds,
+        "train/skipped_steps": int(totals["skipped"]),
     }
+    if self.loss_scale is not None:
+      metrics["train/loss_scale"] = float(self.loss_scale.scale.numpy())
+    return metrics
 
   def _read_step(self) -> int:
     return self._read(self.step)
@@ -402,6 +449,7 @@ class PSTrainer(Trainer):
         "ps_applied": (self._read_step() - self._applied_start
                        if self._applied_start is not None else 0),
         "ps_dropped": self._dropped,
+        "ps_skipped": self._skipped,
         "ps_max_staleness": self.config.max_staleness,
         "ps_staleness_mean": (float((values * counts).sum() / applied)
                               if applied else None),
