@@ -71,16 +71,15 @@ def test_ps_trains_digits_within_the_staleness_bound(tmp_path):
   np.testing.assert_allclose(accuracy, s["eval_accuracy"], atol=1e-6)
 
 
-def _ancestor_types(op):
-  """The types of every op `op` waits for, by data or control edges."""
-  seen, stack, types = set(), [op], set()
+def _ancestors(op):
+  """Every op that `op` waits for, by data or control edges."""
+  seen, stack = {}, [op]
   while stack:
     op = stack.pop()
     if op.name not in seen:
-      seen.add(op.name)
-      types.add(op.type)
+      seen[op.name] = op
       stack += [t.op for t in op.inputs] + list(op.control_inputs)
-  return types
+  return list(seen.values())
 
 
 def _stand_in_trainer(variable, step, loss_scale=None):
@@ -132,8 +131,21 @@ def test_decide_and_apply_is_one_locked_step():
   release = [op for op in graph.get_operations()
              if op.type == "ConsumeMutexLock"]
   assert len(release) == 1
-  waits_for = _ancestor_types(release[0])
-  assert {"MutexLock", "If", "AssignAddVariableOp"} <= waits_for, waits_for
+  waits_for = _ancestors(release[0])
+
+  def updates(variable, op_types):
+    handle = [internal for external, internal in graph.captures
+              if external is variable.handle]
+    assert handle, f"{variable.name} is not used in the step"
+    return [op for op in waits_for if op.type in op_types
+            and any(t is handle[0] for t in op.inputs)]
+
+  # The weight update (in a cond: it runs only if applied), the step count
+  # and the optimizer's own counter all happen before the release.
+  assert updates(v, ("If", "StatelessIf")), "the update is outside the lock"
+  assert updates(step, ("AssignAddVariableOp",))
+  assert updates(optim._tf_variable(trainer.optimizer.iterations),  # pylint: disable=protected-access
+                 ("AssignAddVariableOp",))
 
 
 def test_fp16_overflow_is_skipped_and_halves_the_scale_once():
