@@ -51,6 +51,11 @@ def make(name: str, learning_rate: float,
   return optimizer
 
 
+def all_finite(grads: Sequence[tf.Tensor]) -> tf.Tensor:
+  """Whether every gradient is free of NaN and Inf: the `ok` of a step."""
+  return tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads])
+
+
 def apply_reduced(optimizer: keras.optimizers.Optimizer,
                   grads: Sequence[tf.Tensor], variables: Sequence,
                   ok: tf.Tensor, lr_scale=None) -> tf.Tensor:

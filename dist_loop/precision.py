@@ -22,6 +22,7 @@ bfloat16 has float32's exponent range and needs no scaling.
 """
 
 import contextlib
+from typing import Optional
 
 import keras
 import tensorflow as tf
@@ -45,6 +46,12 @@ def policy_scope(precision: str):
 
 def needs_loss_scale(precision: str) -> bool:
   return precision == "mixed_float16"
+
+
+def make_loss_scale(precision: str) -> Optional["DynamicLossScale"]:
+  """The loss scale `precision` needs, or None. Build it where the mode
+  keeps its optimizer (its strategy's scope, or its master device)."""
+  return DynamicLossScale() if needs_loss_scale(precision) else None
 
 
 class DynamicLossScale(tf.Module):

@@ -180,7 +180,7 @@ class Applier:
       variables = self.model.trainable_variables
       now = [tf.identity(v) for v in variables]
       grads = self.compensation(grads, now, read, self.dc_lambda)
-      ok = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads])
+      ok = optim.all_finite(grads)
       optim.apply_reduced(self.optimizer, grads, variables, ok,
                           lr_scale=lr_scale)
       self.step.assign_add(tf.cast(ok, tf.int64))

@@ -133,9 +133,7 @@ class AsyncTrainer(Trainer):
       self.optimizer = optim.make(config.optimizer, config.learning_rate,
                                   self.model.trainable_variables)
       self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
-      self.loss_scale = (precision_lib.DynamicLossScale()
-                         if precision_lib.needs_loss_scale(config.precision)
-                         else None)
+      self.loss_scale = precision_lib.make_loss_scale(config.precision)
     if self.model.non_trainable_variables:
       # Workers send gradients only; state such as batch-norm statistics
       # would stay at its initial value in the master that eval reads.

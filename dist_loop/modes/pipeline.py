@@ -147,9 +147,7 @@ class PipelineTrainer(Trainer):
       self.optimizer = optim.make(config.optimizer, config.learning_rate,
                                   self.model.trainable_variables)
       self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
-      self.loss_scale = (precision_lib.DynamicLossScale()
-                         if precision_lib.needs_loss_scale(config.precision)
-                         else None)
+      self.loss_scale = precision_lib.make_loss_scale(config.precision)
     self._log_start(how, layers)
     self.trace_count = 0
     self._iterator = None
@@ -193,7 +191,7 @@ class PipelineTrainer(Trainer):
     grads = out["grads"]
     if scale is not None:  # Unscale after the reduce: see precision.py.
       grads = [g / scale for g in grads]
-    ok = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads])
+    ok = optim.all_finite(grads)
     optim.apply_reduced(self.optimizer, grads, self.executor.variables, ok)
     if self.loss_scale is not None:
       self.loss_scale.update(ok)

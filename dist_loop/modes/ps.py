@@ -170,9 +170,7 @@ class PSTrainer(Trainer):
     with self.strategy.scope():  # Every variable lives on a PS.
       self.model = models.build(config.model, split.input_shape,
                                 split.num_classes, precision=config.precision)
-      self.loss_scale = (precision_lib.DynamicLossScale()
-                         if precision_lib.needs_loss_scale(config.precision)
-                         else None)
+      self.loss_scale = precision_lib.make_loss_scale(config.precision)
       self.optimizer = optim.make(config.optimizer, config.learning_rate,
                                   self.model.trainable_variables)
       self.step = tf.Variable(0, dtype=tf.int64, trainable=False,
@@ -252,8 +250,7 @@ class PSTrainer(Trainer):
     was already halved); at the floor scale 1.0 it is a real non-finite
     step. Each applied update counts a good step towards the scale's growth.
     """
-    finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g))
-                            for g in grads])
+    finite = optim.all_finite(grads)
 
     def locked():
       # Nothing else moves `step` while this runs, so tau is exact. Every op

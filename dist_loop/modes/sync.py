@@ -96,9 +96,7 @@ class SyncTrainer(Trainer):
                                 split.num_classes, precision=config.precision)
       self.optimizer = optim.make(config.optimizer, config.learning_rate,
                                   self.model.trainable_variables)
-      self.loss_scale = (precision_lib.DynamicLossScale()
-                         if precision_lib.needs_loss_scale(config.precision)
-                         else None)
+      self.loss_scale = precision_lib.make_loss_scale(config.precision)
       self.step = tf.Variable(
           0, dtype=tf.int64, trainable=False, name="step",
           aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
@@ -143,7 +141,7 @@ class SyncTrainer(Trainer):
                                      cfg.allreduce_bytes_per_pack)
     if scale is not None:  # Unscale after the reduce: see precision.py.
       grads = [g / scale for g in grads]
-    ok = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads])
+    ok = optim.all_finite(grads)
     optim.apply_reduced(self.optimizer, grads, variables, ok)
     if self.loss_scale is not None:
       self.loss_scale.update(ok)
