@@ -19,6 +19,7 @@ from conftest import run_launch
 from dist_loop import Config, checkpoints, optim
 from dist_loop.evaluation import Evaluator
 from dist_loop.data import DATASETS
+from dist_loop.modes import ps as ps_mode
 from dist_loop.modes.ps import PSTrainer
 
 from tools import launch
@@ -92,9 +93,11 @@ def _stand_in_trainer(variable, step, loss_scale=None):
   trainer.model = types.SimpleNamespace(trainable_variables=[variable])
   trainer.loss_scale = loss_scale
   trainer._lock = tf.CriticalSection()  # pylint: disable=protected-access
+  trainer._stats = tf.Variable(tf.zeros([ps_mode._NUM_STATS], tf.float64))  # pylint: disable=protected-access
   fn = tf.function(
       lambda g, read, target, loss, scale: trainer._decide_and_apply(  # pylint: disable=protected-access
-          [g], read, target, loss, scale))
+          [g], read, target, loss, scale, accuracy=tf.constant(0.5),
+          grad_norm=tf.constant(2.0)))
 
   def call(grad, read, target=100, loss=1.0, scale=1.0):
     out = fn(tf.constant(grad, tf.float32), tf.constant(read, tf.int64),
@@ -122,6 +125,12 @@ def test_decide_and_apply_is_one_locked_step():
   assert not out["applied"] and not out["dropped"] and step.numpy() == 6
   out = call([np.inf, 1.0], 6)  # No loss scaling: a real non-finite step.
   assert out["nonfinite"] and not out["skipped"] and not out["applied"]
+  # Each outcome was recorded with it, under the lock; the staleness
+  # histogram and the sums hold applied updates only.
+  totals, taus = trainer._read_stats()  # pylint: disable=protected-access
+  assert totals == {"applied": 1, "dropped": 1, "skipped": 0, "nonfinite": 1,
+                    "loss": 1.0, "accuracy": 0.5, "grad_norm": 2.0}
+  assert taus[0] == 1 and taus.sum() == 1
   # The lock is released (ConsumeMutexLock) only after the optimizer's
   # update (an If: it runs only if applied) and the step increment.
   spec = tf.TensorSpec([], tf.float32)
@@ -146,6 +155,7 @@ def test_decide_and_apply_is_one_locked_step():
   assert updates(step, ("AssignAddVariableOp",))
   assert updates(optim._tf_variable(trainer.optimizer.iterations),  # pylint: disable=protected-access
                  ("AssignAddVariableOp",))
+  assert updates(trainer._stats, ("AssignAddVariableOp",))  # pylint: disable=protected-access
 
 
 def test_fp16_overflow_is_skipped_and_halves_the_scale_once():
@@ -203,6 +213,9 @@ def test_a_killed_worker_is_ridden_out(tmp_path):
   s = _summary(workdir)
   assert s["final_step"] == steps and s["ps_applied"] == steps
   assert s["ps_optimizer_iterations"] == steps
+  # Recorded under the lock with each update, so exact even though the lost
+  # worker's calls were re-run on the other.
+  assert sum(s["ps_staleness_counts"].values()) == steps
   assert s["ps_servers_holding_weights"] == 2
   saved = tf.train.load_checkpoint(str(workdir / "checkpoints"))
   scale = [k for k in saved.get_variable_to_shape_map()

@@ -38,7 +38,17 @@ mode's applier is; the gradients are computed in parallel.
 Counting. Concurrent read-modify-write counters lose increments: the Keras
 optimizer's `iterations` missed 352 of 500 updates in a trial without the
 lock. `step` moves only under the lock, so it counts applied updates
-exactly.
+exactly. The step's statistics (applied, dropped, skipped, staleness
+histogram, loss sums) are added to a PS vector `_stats` under the same
+lock, so they agree with `step` exactly, even when a lost worker's call is
+re-run.
+
+The chief never copies a result from a worker: a scheduled call returns
+nothing, and the chief reads `step` and `_stats` from the PSs between
+rounds, while no call runs. Every copy from a worker is one more remote op
+from one of the coordinator's threads, concurrent with the others, and such
+a copy failed once in CI ("Unable to parse request" from the worker's
+server, TF 2.21): the fewer concurrent remote ops, the fewer chances.
 
 Mixed precision: with float16, the loss scale is a PS variable; a worker
 reads it with `v`, differentiates loss * scale and unscales, and the
@@ -77,6 +87,11 @@ from dist_loop.errors import NonFiniteError, UserError
 from dist_loop.modes.base import MODES, Trainer
 
 TAU_BINS = 64  # Staleness histogram bins; the last one holds tau >= 63.
+# The layout of `_stats`: counts, the staleness histogram of applied
+# updates, then sums over applied updates.
+_COUNTS = ("applied", "dropped", "skipped", "nonfinite")
+_SUMS = ("loss", "accuracy", "grad_norm")
+_NUM_STATS = len(_COUNTS) + TAU_BINS + len(_SUMS)
 _INT64_MAX = 2**63 - 1
 _JOIN_POLL_S = 0.1
 # What a lost task looks like to the coordinator.
@@ -179,6 +194,8 @@ class PSTrainer(Trainer):
                                         name="input_shards")
       self._target = tf.Variable(0, dtype=tf.int64, trainable=False,
                                  name="step_budget")
+      self._stats = tf.Variable(tf.zeros([_NUM_STATS], tf.float64),
+                                trainable=False, name="round_stats")
     with tf.device(self.step.device):  # The lock lives with the counter.
       self._lock = tf.CriticalSection(name="ps_update")
     self._iterator = None
@@ -236,8 +253,10 @@ class PSTrainer(Trainer):
             "loss_scale": scale, "accuracy": correct,
             "grad_norm": tf.linalg.global_norm(grads)}
 
-  def _decide_and_apply(self, grads, read_version, target, loss, loss_scale):
-    """Applies `grads` if they are finite, fresh enough and within budget.
+  def _decide_and_apply(self, grads, read_version, target, loss, loss_scale,
+                        accuracy, grad_norm):
+    """Applies `grads` if they are finite, fresh enough and within budget,
+    and records the outcome in `_stats`.
 
     Runs under the PS lock (see the module docstring), in cross-replica
     context: a lock taken inside `strategy.run` would be held across the
@@ -265,9 +284,17 @@ class PSTrainer(Trainer):
       with tf.control_dependencies([applied]):  # Count after the update.
         counted = self.step.assign_add(tf.cast(apply, tf.int64))
       skipped = self._answer_overflow(finite, apply, loss, loss_scale)
-      return {"applied": apply, "tau": tau,
-              "dropped": finite & ~fresh, "skipped": skipped,
-              "nonfinite": ~finite & ~skipped, "step": counted.read_value()}
+      out = {"applied": apply, "dropped": finite & ~fresh,
+             "skipped": skipped, "nonfinite": ~finite & ~skipped}
+      ok = tf.cast(apply, tf.float64)
+      recorded = self._stats.assign_add(tf.concat([
+          tf.cast(tf.stack([out[k] for k in _COUNTS]), tf.float64),
+          ok * tf.one_hot(tf.minimum(tau, TAU_BINS - 1), TAU_BINS,
+                          dtype=tf.float64),
+          ok * tf.cast(tf.stack([loss, accuracy, grad_norm]), tf.float64),
+      ], 0))
+      with tf.control_dependencies([recorded]):
+        return {**out, "tau": tf.identity(tau), "step": counted.read_value()}
 
     with tf.device(self.step.device):
       return self._lock.execute(locked)
@@ -291,11 +318,9 @@ class PSTrainer(Trainer):
       return tf.identity(overflow & (older_scale | halve))
 
   def _loop_fn(self, iterator):
+    """Up to K steps on this worker. Returns nothing: what happened is in
+    `step` and `_stats`, on the PSs (see "The chief never copies")."""
     target = self._target.read_value()
-    counts = {k: tf.constant(0, tf.int64)
-              for k in ("applied", "dropped", "skipped", "nonfinite")}
-    sums = {"loss": 0.0, "accuracy": 0.0, "grad_norm": 0.0}
-    tau_counts = tf.zeros([TAU_BINS], tf.int64)
     for _ in tf.range(self.config.ps_steps_per_call):
       if self.step.read_value() >= target:
         break
@@ -303,15 +328,9 @@ class PSTrainer(Trainer):
       out = self.strategy.run(self._replica_step, args=(x, y))
       out = tf.nest.map_structure(
           lambda v: self.strategy.experimental_local_results(v)[0], out)
-      out.update(self._decide_and_apply(out["grads"], out["read_version"],
-                                        target, out["loss"],
-                                        out["loss_scale"]))
-      counts = {k: v + tf.cast(out[k], tf.int64) for k, v in counts.items()}
-      ok = tf.cast(out["applied"], tf.int64)
-      sums = {k: v + tf.cast(ok, tf.float32) * out[k] for k, v in sums.items()}
-      tau_counts += ok * tf.one_hot(tf.minimum(out["tau"], TAU_BINS - 1),
-                                    TAU_BINS, dtype=tf.int64)
-    return {**counts, "tau_counts": tau_counts, **sums}
+      self._decide_and_apply(out["grads"], out["read_version"], target,
+                             out["loss"], out["loss_scale"], out["accuracy"],
+                             out["grad_norm"])
 
   # -- on the chief --
 
@@ -333,28 +352,23 @@ class PSTrainer(Trainer):
     # The budget reaches the workers through a PS variable, set while no call
     # runs: a scheduled call's only argument is its worker's iterator.
     self._target.assign(target)
-    totals = {"applied": 0, "dropped": 0, "skipped": 0, "nonfinite": 0,
-              "loss": 0.0, "accuracy": 0.0, "grad_norm": 0.0}
+    self._stats.assign(tf.zeros_like(self._stats))
+    totals = dict.fromkeys(_COUNTS + _SUMS, 0.0)
     taus = np.zeros(TAU_BINS, np.int64)
     t0 = time.perf_counter()
     step = start
     while step < target:
       calls = math.ceil((target - step) / self.config.ps_steps_per_call)
       try:
-        results = [self.coordinator.schedule(self._loop,
-                                             args=(self._iterator,))
-                   for _ in range(calls)]
+        for _ in range(calls):
+          self.coordinator.schedule(self._loop, args=(self._iterator,))
         self._wait(step)
       except KeyboardInterrupt:
         # Let the scheduled calls finish first, so the checkpoint the
         # controller saves next is of still variables at the step it names.
         self._wait(step)
         raise
-      for result in results:
-        out = result.fetch()
-        for k in totals:
-          totals[k] += out[k].item()
-        taus += out["tau_counts"]
+      totals, taus = self._read_stats()
       if totals["nonfinite"]:
         raise NonFiniteError(int(self.step.numpy()) + 1)
       step = int(self.step.numpy())
@@ -382,6 +396,14 @@ class PSTrainer(Trainer):
     if self.loss_scale is not None:
       metrics["train/loss_scale"] = float(self.loss_scale.scale.numpy())
     return metrics
+
+  def _read_stats(self):
+    """This `train` call's counts and sums, and its staleness histogram."""
+    stats = self._stats.numpy()
+    values = dict(zip(_COUNTS + _SUMS, np.concatenate(
+        [stats[:len(_COUNTS)], stats[len(_COUNTS) + TAU_BINS:]]).tolist()))
+    taus = stats[len(_COUNTS):len(_COUNTS) + TAU_BINS].astype(np.int64)
+    return values, taus
 
   def _read_step(self) -> int:
     return self._read(self.step)
