@@ -93,10 +93,18 @@ def restore_latest(mgr, scope):
       "directory aside to start the run over")
 
 
+# What a lost task (a parameter server holding the variables, a peer
+# worker) raises; the mode's `cluster_error` explains it.
+_PEER_LOST = (tf.errors.UnavailableError, tf.errors.AbortedError,
+              tf.errors.CancelledError, tf.errors.DeadlineExceededError)
+
+
 def _restore_first_readable(checkpoint, paths, failures):
   for path in paths:
     try:
       checkpoint.restore(path).assert_existing_objects_matched()
+    except _PEER_LOST:
+      raise  # Not this file's fault: an older one would fail the same way.
     except (tf.errors.OpError, ValueError, AssertionError, IndexError,
             KeyError) as e:  # What truncated or missing files raise.
       first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""

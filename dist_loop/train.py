@@ -54,6 +54,11 @@ def run(config: Config, flags_text: Optional[str] = None) -> Dict[str, object]:
   trainer = build_trainer(config, device_names, split)
   try:
     return _train(config, trainer, split, flags_text)
+  except tf.errors.OpError as e:
+    error = trainer.cluster_error(e)
+    if error is None:
+      raise
+    raise error from None
   finally:
     trainer.close()
 

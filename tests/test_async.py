@@ -83,6 +83,7 @@ def test_a_failing_thread_stops_training_quickly(small_config, where):
   def boom(*args):
     calls["n"] += 1
     if calls["n"] == 3:
+      calls["failed_at"] = time.monotonic()
       raise ValueError("boom")
     return original(*args)
 
@@ -94,10 +95,10 @@ def test_a_failing_thread_stops_training_quickly(small_config, where):
     original = trainer.applier.offer
     trainer.applier.offer = boom
     name = "async applier"
-  t0 = time.monotonic()
   with pytest.raises(WorkerFailed, match=f"{name} failed: ValueError: boom"):
     trainer.train(10**6)
-  assert time.monotonic() - t0 < 10
+  # Measured from the failure, not from the start: tracing is not the point.
+  assert time.monotonic() - calls["failed_at"] < 10
   assert not async_threads()
   trainer.close()  # A second close is harmless.
 

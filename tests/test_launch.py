@@ -15,12 +15,20 @@ from conftest import REPO, run_launch
 
 from tools import launch
 
-# Prints its task, then: worker 1 fails with exit code 3, the others wait.
+# Prints its task, then: worker 1 fails with exit code 3 once the others
+# have printed theirs (else a slow start could lose their line), the others
+# wait.
 FAIL_ONE = """
 import json, os, sys, time
 task = json.loads(os.environ["TF_CONFIG"])["task"]
 print("task", task["type"], task["index"], flush=True)
 if task["index"] == 1:
+  logs = os.path.join(sys.argv[1].split("=", 1)[1], "logs")
+  deadline = time.monotonic() + 30
+  while time.monotonic() < deadline and not all(
+      os.path.exists(p) and "task worker" in open(p).read()
+      for p in (os.path.join(logs, f"worker-{i}.log") for i in (0, 2))):
+    time.sleep(0.05)
   print("boom: worker 1 gives up", flush=True)
   sys.exit(3)
 time.sleep(60)
@@ -45,6 +53,20 @@ def test_cluster_spec_has_distinct_free_ports():
   addresses = spec["chief"] + spec["worker"] + spec["ps"]
   assert len(set(addresses)) == 4
   assert launch.cluster_spec(num_workers=3, num_ps=0).keys() == {"worker"}
+
+
+def test_ports_are_drawn_below_the_ephemeral_range(tmp_path, monkeypatch):
+  # An outgoing connection can be given a port between the launcher's check
+  # and the task's bind only if it is in the kernel's ephemeral range.
+  ranges = tmp_path / "ip_local_port_range"
+  ranges.write_text("40000\t50000\n")
+  monkeypatch.setattr(launch, "_EPHEMERAL_RANGE_FILE", str(ranges))
+  ports = launch.free_ports(6)
+  assert len(set(ports)) == 6
+  assert all(launch._LOWEST_PORT <= p < 40000 for p in ports), ports  # pylint: disable=protected-access
+  # Without the file (not Linux), the kernel picks.
+  monkeypatch.setattr(launch, "_EPHEMERAL_RANGE_FILE", str(tmp_path / "no"))
+  assert len(set(launch.free_ports(3))) == 3
 
 
 def test_workdir_is_read_from_the_command():

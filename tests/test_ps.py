@@ -155,7 +155,13 @@ def test_decide_and_apply_is_one_locked_step():
   assert updates(step, ("AssignAddVariableOp",))
   assert updates(optim._tf_variable(trainer.optimizer.iterations),  # pylint: disable=protected-access
                  ("AssignAddVariableOp",))
-  assert updates(trainer._stats, ("AssignAddVariableOp",))  # pylint: disable=protected-access
+  recorded = updates(trainer._stats, ("AssignAddVariableOp",))  # pylint: disable=protected-access
+  # In order: the weights, then the count, then the record, so a step cut
+  # short leaves at most one update part-done (see the ps module).
+  counted = updates(step, ("AssignAddVariableOp",))
+  assert recorded and counted
+  assert counted[0] in _ancestors(recorded[0])
+  assert updates(v, ("If", "StatelessIf"))[0] in _ancestors(counted[0])
 
 
 def test_fp16_overflow_is_skipped_and_halves_the_scale_once():
@@ -197,8 +203,10 @@ def test_a_killed_worker_is_ridden_out(tmp_path):
   workdir = tmp_path / "run"
   steps = 400
   launcher = launch.Launcher(
+      # A round that runs into the kill also absorbs noticing it and
+      # re-running the lost call: a roomy bound on it.
       _command(workdir, dataset="synthetic", model="mlp", train_steps=steps,
-               steps_per_loop=20, log_every=20,
+               steps_per_loop=20, log_every=20, collective_timeout_s=60,
                precision="mixed_float16"), num_workers=2, num_ps=2,
       log_dir=str(workdir / "logs"), timeout_s=120, quiet=True)
   launcher.start()
@@ -212,10 +220,11 @@ def test_a_killed_worker_is_ridden_out(tmp_path):
   assert launcher.tasks["worker:1"].poll() == -signal.SIGKILL
   s = _summary(workdir)
   assert s["final_step"] == steps and s["ps_applied"] == steps
-  assert s["ps_optimizer_iterations"] == steps
-  # Recorded under the lock with each update, so exact even though the lost
-  # worker's calls were re-run on the other.
-  assert sum(s["ps_staleness_counts"].values()) == steps
+  # The kill may cut one locked step short, after some of its ordered
+  # writes (weights and the optimizer's counter, then `step`, then the
+  # record): at most one update is part-done, never one counted twice.
+  assert steps <= s["ps_optimizer_iterations"] <= steps + 1
+  assert steps - 1 <= sum(s["ps_staleness_counts"].values()) <= steps
   assert s["ps_servers_holding_weights"] == 2
   saved = tf.train.load_checkpoint(str(workdir / "checkpoints"))
   scale = [k for k in saved.get_variable_to_shape_map()

@@ -148,6 +148,48 @@ def test_every_checkpoint_corrupt_is_a_clear_error(small_config):
     train.run(cfg.replace(train_steps=6))
 
 
+def test_a_lost_peer_is_not_taken_for_a_corrupt_checkpoint(
+    small_config, monkeypatch):
+  # A PS that died while the checkpoint was read makes every checkpoint
+  # fail the same way: it is not a reason to fall back to an older one.
+  cfg = small_config(train_steps=4, checkpoint_every=2, steps_per_loop=2,
+                     log_every=2, max_checkpoints=5)
+  train.run(cfg)
+  tried = []
+
+  def lost(self, path, *args, **kwargs):
+    del self, args, kwargs
+    tried.append(path)
+    raise tf.errors.UnavailableError(None, None, "Socket closed")
+
+  monkeypatch.setattr(tf.train.Checkpoint, "restore", lost)
+  with pytest.raises(tf.errors.UnavailableError):
+    train.run(cfg.replace(train_steps=6))
+  assert len(tried) == 1 and tried[0].endswith("ckpt-4")
+
+
+def test_a_runtime_error_anywhere_in_the_run_is_explained_by_the_mode(
+    small_config, monkeypatch):
+  # Not only in `train`: a peer can be lost in a checkpoint, an evaluation
+  # or the controller's read of the step. Here, the evaluation.
+  from dist_loop import evaluation  # pylint: disable=g-import-not-at-top
+
+  def lost(self):
+    del self
+    raise tf.errors.UnavailableError(None, None, "Socket closed")
+
+  monkeypatch.setattr(evaluation.Evaluator, "evaluate", lost)
+  cfg = small_config(train_steps=2, steps_per_loop=2, log_every=2)
+  # One process: nothing to explain, so the error goes through unchanged.
+  with pytest.raises(tf.errors.UnavailableError):
+    train.run(cfg)
+  monkeypatch.setattr(
+      sync.SyncTrainer, "cluster_error",
+      lambda self, e: UserError(f"explained: {e.message}"))
+  with pytest.raises(UserError, match="explained: Socket closed"):
+    train.run(cfg.replace(workdir=cfg.workdir + "_2"))
+
+
 def test_layout_change_is_refused_unless_allowed(small_config):
   cfg = small_config(train_steps=2, steps_per_loop=2, log_every=2)
   train.run(cfg)
@@ -187,12 +229,15 @@ def _wait_for_checkpoint(workdir, timeout=120):
 
 def test_sigterm_saves_and_exits_then_resumes(tmp_path):
   workdir = tmp_path / "run"
-  proc = _start(workdir, "--train_steps=1000000", "--grace_period_s=20")
+  # The grace period is the watchdog's bound (it ends the process with 143
+  # too, but without saving): generous, so only a hang would reach it.
+  proc = _start(workdir, "--train_steps=1000000", "--grace_period_s=60")
   _wait_for_checkpoint(workdir)
   proc.send_signal(signal.SIGTERM)
-  out, err = proc.communicate(timeout=30)
+  out, err = proc.communicate(timeout=90)
   assert proc.returncode == 143, err[-2000:]
   assert "Traceback" not in err
+  assert "SIGTERM at step " in err, err[-2000:]
   step = int(err.split("SIGTERM at step ")[1].split(";")[0])
   assert step > 0 and step % 5 == 0
   assert tf.train.latest_checkpoint(str(workdir / "checkpoints")).endswith(

@@ -44,6 +44,18 @@ def finished_run(tmp_path_factory):
   return workdir
 
 
+def _loaded(base):
+  """Whether the server has read the run's last scalars and histograms."""
+  if not _get(base + "/data/runs"):
+    return False
+  scalars = _get(base + "/data/plugin/scalars/tags").get("tb", {})
+  histograms = _get(base + "/data/plugin/histograms/tags").get("tb", {})
+  if "eval/accuracy" not in scalars or not histograms:
+    return False
+  last = _get(base + "/data/plugin/scalars/scalars?run=tb&tag=eval/accuracy")
+  return bool(last) and last[-1][1] == 10
+
+
 @pytest.fixture(scope="module")
 def server(finished_run):
   port = _free_port()
@@ -54,15 +66,18 @@ def server(finished_run):
   base = f"http://127.0.0.1:{port}"
   deadline = time.time() + SERVER_START_TIMEOUT_S
   try:
-    while True:  # Wait until it serves and has loaded the run.
-      try:
-        if _get(base + "/data/runs"):
+    while True:  # Wait until it serves and has read the run's events:
+      try:       # it lists a run before it has read its files.
+        if _loaded(base):
           break
       except OSError:
         pass
       if proc.poll() is not None or time.time() > deadline:
-        raise RuntimeError("tensorboard did not start: "
-                           + proc.stderr.read().decode()[-2000:])
+        proc.terminate()  # Else reading its stderr would wait for its end.
+        _, err = proc.communicate(timeout=30)
+        raise RuntimeError("tensorboard did not serve the run's last "
+                           "eval/accuracy and its histograms in time: "
+                           + err.decode()[-2000:])
       time.sleep(0.5)
     yield base
   finally:

@@ -34,6 +34,7 @@ import collections
 import ctypes
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -46,17 +47,55 @@ TAIL_LINES = 25
 STOP_GRACE_S = 10.0  # SIGTERM, then SIGKILL after this.
 POLL_S = 0.2
 _PR_SET_PDEATHSIG = 1
+_EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+_LOWEST_PORT = 20000  # Below it, well-known services are more common.
+
+
+def _ephemeral_ports() -> Optional[range]:
+  """The kernel's range for outgoing connections' local ports, if known."""
+  try:
+    with open(_EPHEMERAL_RANGE_FILE, encoding="ascii") as f:
+      low, high = (int(x) for x in f.read().split())
+    return range(low, high + 1)
+  except (OSError, ValueError):
+    return None
 
 
 def free_ports(n: int) -> List[int]:
-  """n distinct free localhost ports (held open together, then released)."""
-  sockets = []
+  """n distinct localhost ports that are free now and stay likely free.
+
+  Ports are held open together, then released, and each task binds its
+  own a few seconds later (after importing TensorFlow). A port the kernel
+  picks (bind to 0) is an ephemeral one: in that gap, any outgoing
+  connection, such as the cluster's own gRPC channels, can be given it.
+  So the ports are drawn at random below the ephemeral range, where the
+  kernel never puts an outgoing connection; without a known range, the
+  kernel picks.
+  """
+  ephemeral = _ephemeral_ports()
+  candidates: Sequence[int] = []
+  if ephemeral is not None and ephemeral.start > _LOWEST_PORT + n:
+    candidates = random.SystemRandom().sample(
+        range(_LOWEST_PORT, ephemeral.start), ephemeral.start - _LOWEST_PORT)
+  sockets, ports = [], []
   try:
-    for _ in range(n):
+    for port in candidates:
+      if len(ports) == n:
+        break
+      s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+      try:
+        s.bind(("", port))  # All interfaces, as the TensorFlow server binds.
+      except OSError:
+        s.close()
+        continue
+      sockets.append(s)
+      ports.append(port)
+    while len(ports) < n:
       s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
       s.bind(("localhost", 0))
       sockets.append(s)
-    return [s.getsockname()[1] for s in sockets]
+      ports.append(s.getsockname()[1])
+    return ports
   finally:
     for s in sockets:
       s.close()

@@ -40,8 +40,12 @@ optimizer's `iterations` missed 352 of 500 updates in a trial without the
 lock. `step` moves only under the lock, so it counts applied updates
 exactly. The step's statistics (applied, dropped, skipped, staleness
 histogram, loss sums) are added to a PS vector `_stats` under the same
-lock, so they agree with `step` exactly, even when a lost worker's call is
-re-run.
+lock, in this order: weights (with the optimizer's counter), then `step`,
+then `_stats`. A worker killed while its step holds the lock cancels the
+rest of that step's ops: the lock is released, and at most that one update
+is left part-done (weights moved but not `step`, or `step` but not
+`_stats`). A trial that recorded `_stats` first, in parallel with the
+update, once ended with 401 recorded updates for 400 counted.
 
 The chief never copies a result from a worker: a scheduled call returns
 nothing, and the chief reads `step` and `_stats` from the PSs between
@@ -61,7 +65,8 @@ shard id from a PS counter (fetch_add again): worker shards are disjoint
 slices of the same global stream as the other modes (`train_dataset_fn`).
 
 Faults: the coordinator re-runs a lost worker's calls on the others, so a
-killed worker only slows training. A lost parameter server loses variables:
+killed worker only slows training (and may leave its one update in the
+lock part-done, see Counting). A lost parameter server loses variables:
 training stops with `ClusterError`, and rerunning the command on a restarted
 cluster resumes from the last checkpoint.
 """
@@ -287,12 +292,13 @@ class PSTrainer(Trainer):
       out = {"applied": apply, "dropped": finite & ~fresh,
              "skipped": skipped, "nonfinite": ~finite & ~skipped}
       ok = tf.cast(apply, tf.float64)
-      recorded = self._stats.assign_add(tf.concat([
-          tf.cast(tf.stack([out[k] for k in _COUNTS]), tf.float64),
-          ok * tf.one_hot(tf.minimum(tau, TAU_BINS - 1), TAU_BINS,
-                          dtype=tf.float64),
-          ok * tf.cast(tf.stack([loss, accuracy, grad_norm]), tf.float64),
-      ], 0))
+      with tf.control_dependencies([counted]):  # Record after the count.
+        recorded = self._stats.assign_add(tf.concat([
+            tf.cast(tf.stack([out[k] for k in _COUNTS]), tf.float64),
+            ok * tf.one_hot(tf.minimum(tau, TAU_BINS - 1), TAU_BINS,
+                            dtype=tf.float64),
+            ok * tf.cast(tf.stack([loss, accuracy, grad_norm]), tf.float64),
+        ], 0))
       with tf.control_dependencies([recorded]):
         return {**out, "tau": tf.identity(tau), "step": counted.read_value()}
 
@@ -335,12 +341,6 @@ class PSTrainer(Trainer):
   # -- on the chief --
 
   def train(self, num_steps: int) -> Dict[str, float]:
-    try:
-      return self._train(num_steps)
-    except _CLUSTER_ERRORS as e:
-      raise self._ps_error(e) from None
-
-  def _train(self, num_steps: int) -> Dict[str, float]:
     start = int(self.step.numpy())
     if self._applied_start is None:
       self._applied_start = start
@@ -405,16 +405,6 @@ class PSTrainer(Trainer):
     taus = stats[len(_COUNTS):len(_COUNTS) + TAU_BINS].astype(np.int64)
     return values, taus
 
-  def _read_step(self) -> int:
-    return self._read(self.step)
-
-  def _read(self, variable) -> int:
-    """A PS-hosted counter's value; a lost PS becomes ClusterError."""
-    try:
-      return int(np.asarray(variable))
-    except _CLUSTER_ERRORS as e:
-      raise self._ps_error(e) from None
-
   def _wait(self, step: int) -> None:
     """`coordinator.join()`, bounded by --collective_timeout_s per round.
 
@@ -435,7 +425,11 @@ class PSTrainer(Trainer):
       time.sleep(_JOIN_POLL_S)
     self.coordinator.join()  # Returns at once; raises a call's error.
 
-  def _ps_error(self, error) -> ClusterError:
+  def cluster_error(self, error):
+    """A lost PS (or every worker) anywhere in the run: in a step, a
+    checkpoint, an evaluation or the controller's read of `step`."""
+    if not isinstance(error, _CLUSTER_ERRORS):
+      return None
     return ClusterError(
         f"a parameter server is unreachable ({cluster_lib.describe(error)}); "
         "its variables are lost. Restart the cluster and "
@@ -446,7 +440,7 @@ class PSTrainer(Trainer):
 
   def log_scalars(self) -> Dict[str, float]:
     return {"ps/dropped": float(self._dropped),
-            "ps/applied": float(self._read_step() - self._applied_start
+            "ps/applied": float(int(self.step.numpy()) - self._applied_start
                                 if self._applied_start is not None else 0)}
 
   def histograms(self) -> Dict[str, np.ndarray]:
@@ -465,7 +459,7 @@ class PSTrainer(Trainer):
         # PSS places whole variables round-robin over the servers.
         "ps_servers_holding_weights": len(
             {v.value.device for v in self.model.trainable_variables}),
-        "ps_applied": (self._read_step() - self._applied_start
+        "ps_applied": (int(self.step.numpy()) - self._applied_start
                        if self._applied_start is not None else 0),
         "ps_dropped": self._dropped,
         "ps_skipped": self._skipped,
@@ -476,7 +470,7 @@ class PSTrainer(Trainer):
         "ps_staleness_counts": {str(t): int(c) for t, c in enumerate(counts)
                                 if c},
         # For comparison only: `step` is what counts (see the docstring).
-        "ps_optimizer_iterations": self._read(self.optimizer.iterations),
+        "ps_optimizer_iterations": int(np.asarray(self.optimizer.iterations)),
         "ps_updates_per_sec": (applied / self._train_seconds
                                if self._train_seconds else None),
     }

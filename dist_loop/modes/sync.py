@@ -223,6 +223,17 @@ class SyncTrainer(Trainer):
       means["loss_scale"] = self.loss_scale.scale.read_value()
     return means, bad_step
 
+  def cluster_error(self, error):
+    if (not isinstance(error, _PEER_ERRORS)
+        or cluster_lib.current().num_trainers <= 1):
+      return None
+    return cluster_lib.ClusterError(
+        f"a peer worker failed or is unreachable "
+        f"({cluster_lib.describe(error)}); every collective gives up after "
+        f"--collective_timeout_s={self.config.collective_timeout_s:g}. "
+        "Restart every worker with the same command: training resumes from "
+        "the last checkpoint")
+
   def train(self, num_steps: int) -> Dict[str, float]:
     if self._iterator is None:  # Built lazily: resumes at the restored step.
       fn = train_dataset_fn(self.split.train_x, self.split.train_y,
@@ -230,18 +241,8 @@ class SyncTrainer(Trainer):
                             start_step=int(self.step.numpy()))
       self._iterator = iter(self.strategy.distribute_datasets_from_function(fn))
     t0, traces = time.perf_counter(), self.trace_count
-    try:
-      means, bad_step = self._loop(self._iterator,
-                                   tf.constant(num_steps, tf.int64))
-    except _PEER_ERRORS as e:
-      if cluster_lib.current().num_trainers <= 1:
-        raise
-      raise cluster_lib.ClusterError(
-          f"a peer worker failed or is unreachable ({cluster_lib.describe(e)})"
-          "; every collective gives up after --collective_timeout_s="
-          f"{self.config.collective_timeout_s:g}. Restart every worker with "
-          "the same command: training resumes from the last checkpoint"
-          ) from None
+    means, bad_step = self._loop(self._iterator,
+                                 tf.constant(num_steps, tf.int64))
     if int(bad_step) >= 0:
       raise NonFiniteError(int(bad_step))
     if self.straggler is not None and self.trace_count == traces:
