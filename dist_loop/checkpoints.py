@@ -76,6 +76,9 @@ def restore_latest(mgr, scope):
 
   Raises:
     UserError: checkpoints exist but none can be read.
+    tf.errors.OpError: a lost peer or parameter server (`_PEER_LOST`), which
+      every older checkpoint would hit too; `train.run` has the mode's
+      `cluster_error` explain it.
   """
   candidates = _candidates(mgr)
   if not candidates:

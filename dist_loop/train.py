@@ -51,16 +51,17 @@ def run(config: Config, flags_text: Optional[str] = None) -> Dict[str, object]:
     tf.config.experimental.enable_op_determinism()
   split = data.DATASETS.get(config.dataset)(
       config.data_dir, config.seed, models.image_size_for(config.model))
-  trainer = build_trainer(config, device_names, split)
   try:
-    return _train(config, trainer, split, flags_text)
+    trainer = build_trainer(config, device_names, split)
+    try:
+      return _train(config, trainer, split, flags_text)
+    finally:
+      trainer.close()
   except tf.errors.OpError as e:
-    error = trainer.cluster_error(e)
+    error = MODES.get(config.mode).cluster_error(config, e)
     if error is None:
       raise
     raise error from None
-  finally:
-    trainer.close()
 
 
 def _train(config, trainer, split, flags_text):

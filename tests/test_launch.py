@@ -55,7 +55,7 @@ def test_cluster_spec_has_distinct_free_ports():
   assert launch.cluster_spec(num_workers=3, num_ps=0).keys() == {"worker"}
 
 
-def test_ports_are_drawn_below_the_ephemeral_range(tmp_path, monkeypatch):
+def test_ports_are_drawn_outside_the_ephemeral_range(tmp_path, monkeypatch):
   # An outgoing connection can be given a port between the launcher's check
   # and the task's bind only if it is in the kernel's ephemeral range.
   ranges = tmp_path / "ip_local_port_range"
@@ -63,7 +63,10 @@ def test_ports_are_drawn_below_the_ephemeral_range(tmp_path, monkeypatch):
   monkeypatch.setattr(launch, "_EPHEMERAL_RANGE_FILE", str(ranges))
   ports = launch.free_ports(6)
   assert len(set(ports)) == 6
-  assert all(launch._LOWEST_PORT <= p < 40000 for p in ports), ports  # pylint: disable=protected-access
+  assert all(launch._LOWEST_PORT <= p < 40000 or p > 50000 for p in ports), ports  # pylint: disable=protected-access
+  # A range that starts low: the ports above it.
+  ranges.write_text("1024 60000\n")
+  assert all(p > 60000 for p in launch.free_ports(4))
   # Without the file (not Linux), the kernel picks.
   monkeypatch.setattr(launch, "_EPHEMERAL_RANGE_FILE", str(tmp_path / "no"))
   assert len(set(launch.free_ports(3))) == 3

@@ -13,6 +13,7 @@ import time
 import types
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from conftest import run_launch
@@ -97,7 +98,7 @@ def _stand_in_trainer(variable, step, loss_scale=None):
   fn = tf.function(
       lambda g, read, target, loss, scale: trainer._decide_and_apply(  # pylint: disable=protected-access
           [g], read, target, loss, scale, accuracy=tf.constant(0.5),
-          grad_norm=tf.constant(2.0)))
+          grad_norm=tf.linalg.global_norm([g])))
 
   def call(grad, read, target=100, loss=1.0, scale=1.0):
     out = fn(tf.constant(grad, tf.float32), tf.constant(read, tf.int64),
@@ -128,8 +129,9 @@ def test_decide_and_apply_is_one_locked_step():
   # Each outcome was recorded with it, under the lock; the staleness
   # histogram and the sums hold applied updates only.
   totals, taus = trainer._read_stats()  # pylint: disable=protected-access
-  assert totals == {"applied": 1, "dropped": 1, "skipped": 0, "nonfinite": 1,
-                    "loss": 1.0, "accuracy": 0.5, "grad_norm": 2.0}
+  assert totals == pytest.approx({
+      "applied": 1, "dropped": 1, "skipped": 0, "nonfinite": 1,
+      "loss": 1.0, "accuracy": 0.5, "grad_norm": np.sqrt(2.0)})
   assert taus[0] == 1 and taus.sum() == 1
   # The lock is released (ConsumeMutexLock) only after the optimizer's
   # update (an If: it runs only if applied) and the step increment.
@@ -181,6 +183,10 @@ def test_fp16_overflow_is_skipped_and_halves_the_scale_once():
   out = call([1.0, 1.0], 5, scale=2.0 ** 9)  # A good step: applied, counted.
   assert out["applied"] and step.numpy() == 6
   assert int(scale.good_steps.numpy()) == 1
+  # The skipped steps' infinite gradient norms are left out of the sums.
+  totals, _ = trainer._read_stats()  # pylint: disable=protected-access
+  assert totals["skipped"] == 2 and totals["applied"] == 1
+  assert totals["grad_norm"] == pytest.approx(np.sqrt(2.0))
   out = call(inf, 6, loss=np.nan, scale=2.0 ** 9)  # A NaN loss is real.
   assert out["nonfinite"] and not out["skipped"]
   scale.scale.assign(1.0)

@@ -185,7 +185,7 @@ def test_a_runtime_error_anywhere_in_the_run_is_explained_by_the_mode(
     train.run(cfg)
   monkeypatch.setattr(
       sync.SyncTrainer, "cluster_error",
-      lambda self, e: UserError(f"explained: {e.message}"))
+      classmethod(lambda cls, config, e: UserError(f"explained: {e.message}")))
   with pytest.raises(UserError, match="explained: Socket closed"):
     train.run(cfg.replace(workdir=cfg.workdir + "_2"))
 

@@ -68,15 +68,17 @@ def free_ports(n: int) -> List[int]:
   own a few seconds later (after importing TensorFlow). A port the kernel
   picks (bind to 0) is an ephemeral one: in that gap, any outgoing
   connection, such as the cluster's own gRPC channels, can be given it.
-  So the ports are drawn at random below the ephemeral range, where the
-  kernel never puts an outgoing connection; without a known range, the
-  kernel picks.
+  So the ports are drawn at random outside the ephemeral range (below it,
+  or above it), where the kernel never puts an outgoing connection. Only
+  if no such port is free, or the range is unknown (not Linux), does the
+  kernel pick.
   """
   ephemeral = _ephemeral_ports()
-  candidates: Sequence[int] = []
-  if ephemeral is not None and ephemeral.start > _LOWEST_PORT + n:
-    candidates = random.SystemRandom().sample(
-        range(_LOWEST_PORT, ephemeral.start), ephemeral.start - _LOWEST_PORT)
+  candidates: List[int] = []
+  if ephemeral is not None:  # Below the range, or above it (1024-65535?).
+    candidates = [*range(_LOWEST_PORT, max(ephemeral.start, _LOWEST_PORT)),
+                  *range(max(ephemeral.stop, _LOWEST_PORT), 65536)]
+    random.SystemRandom().shuffle(candidates)
   sockets, ports = [], []
   try:
     for port in candidates:

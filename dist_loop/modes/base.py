@@ -113,12 +113,15 @@ class Trainer(abc.ABC):
     """The scope under which eval and restore see the master variables."""
     return tf.distribute.get_strategy().scope()
 
-  def cluster_error(self, error: tf.errors.OpError):
+  @classmethod
+  def cluster_error(cls, config: Config, error: tf.errors.OpError):
     """The `UserError` (one line, naming the fix) that a TensorFlow runtime
     error raised anywhere in the run means in this mode, or None if it is
-    not a lost peer. `train.run` asks once, for the whole run: a peer can be
-    lost in a step, a checkpoint, an evaluation or a read of the step."""
-    del error
+    not a lost peer. `train.run` asks once, for the whole run (a class
+    method, so building the trainer is covered too): a peer can be lost
+    while the variables are made, in a step, a checkpoint, an evaluation
+    or a read of the step."""
+    del config, error
     return None
 
   def on_restore(self) -> None:

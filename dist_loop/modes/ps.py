@@ -41,9 +41,9 @@ lock. `step` moves only under the lock, so it counts applied updates
 exactly. The step's statistics (applied, dropped, skipped, staleness
 histogram, loss sums) are added to a PS vector `_stats` under the same
 lock, in this order: weights (with the optimizer's counter), then `step`,
-then `_stats`. A worker killed while its step holds the lock cancels the
-rest of that step's ops: the lock is released, and at most that one update
-is left part-done (weights moved but not `step`, or `step` but not
+then `_stats`. A worker killed while its step holds the lock (or a call
+the coordinator abandons and re-runs) cancels the rest of that step's ops:
+the lock is released, and at most that one update is left part-done (weights moved but not `step`, or `step` but not
 `_stats`). A trial that recorded `_stats` first, in parallel with the
 update, once ended with 401 recorded updates for 400 counted.
 
@@ -101,7 +101,7 @@ _INT64_MAX = 2**63 - 1
 _JOIN_POLL_S = 0.1
 # What a lost task looks like to the coordinator.
 _CLUSTER_ERRORS = (tf.errors.UnavailableError, tf.errors.AbortedError,
-                   tf.errors.CancelledError)
+                   tf.errors.CancelledError, tf.errors.DeadlineExceededError)
 
 
 def fetch_add(variable: tf.Variable) -> tf.Tensor:
@@ -297,7 +297,12 @@ class PSTrainer(Trainer):
             tf.cast(tf.stack([out[k] for k in _COUNTS]), tf.float64),
             ok * tf.one_hot(tf.minimum(tau, TAU_BINS - 1), TAU_BINS,
                             dtype=tf.float64),
-            ok * tf.cast(tf.stack([loss, accuracy, grad_norm]), tf.float64),
+              # `where`, not `ok *`: a skipped overflow's grad_norm is inf,
+            # and 0 * inf would make the whole sum NaN.
+            tf.where(apply,
+                     tf.cast(tf.stack([loss, accuracy, grad_norm]),
+                             tf.float64),
+                     tf.zeros([len(_SUMS)], tf.float64)),
         ], 0))
       with tf.control_dependencies([recorded]):
         return {**out, "tau": tf.identity(tau), "step": counted.read_value()}
@@ -425,16 +430,17 @@ class PSTrainer(Trainer):
       time.sleep(_JOIN_POLL_S)
     self.coordinator.join()  # Returns at once; raises a call's error.
 
-  def cluster_error(self, error):
-    """A lost PS (or every worker) anywhere in the run: in a step, a
-    checkpoint, an evaluation or the controller's read of `step`."""
+  @classmethod
+  def cluster_error(cls, config, error):
+    """A lost PS (or every worker) anywhere in the run: building the
+    variables, a step, a checkpoint, an evaluation, a read of `step`."""
     if not isinstance(error, _CLUSTER_ERRORS):
       return None
     return ClusterError(
         f"a parameter server is unreachable ({cluster_lib.describe(error)}); "
         "its variables are lost. Restart the cluster and "
         "rerun the same command: training resumes from the last checkpoint "
-        f"in {self.config.workdir}")
+        f"in {config.workdir}")
 
   # -- what the controller logs besides the train metrics --
 

@@ -223,14 +223,15 @@ class SyncTrainer(Trainer):
       means["loss_scale"] = self.loss_scale.scale.read_value()
     return means, bad_step
 
-  def cluster_error(self, error):
+  @classmethod
+  def cluster_error(cls, config, error):
     if (not isinstance(error, _PEER_ERRORS)
         or cluster_lib.current().num_trainers <= 1):
       return None
     return cluster_lib.ClusterError(
         f"a peer worker failed or is unreachable "
         f"({cluster_lib.describe(error)}); every collective gives up after "
-        f"--collective_timeout_s={self.config.collective_timeout_s:g}. "
+        f"--collective_timeout_s={config.collective_timeout_s:g}. "
         "Restart every worker with the same command: training resumes from "
         "the last checkpoint")
 
