@@ -14,6 +14,7 @@ import tensorflow as tf
 from absl import logging
 
 from dist_loop import cluster, data, models
+from dist_loop import strategy as strategy_lib
 from dist_loop.errors import UserError
 
 CHECKPOINT_DIR = "checkpoints"
@@ -76,9 +77,9 @@ def restore_latest(mgr, scope):
 
   Raises:
     UserError: checkpoints exist but none can be read.
-    tf.errors.OpError: a lost peer or parameter server (`_PEER_LOST`), which
-      every older checkpoint would hit too; `train.run` has the mode's
-      `cluster_error` explain it.
+    tf.errors.OpError: a lost peer or parameter server
+      (`strategy.LOST_TASK_ERRORS`), which every older checkpoint would hit
+      too; `train.run` has the mode's `cluster_error` explain it.
   """
   candidates = _candidates(mgr)
   if not candidates:
@@ -96,17 +97,11 @@ def restore_latest(mgr, scope):
       "directory aside to start the run over")
 
 
-# What a lost task (a parameter server holding the variables, a peer
-# worker) raises; the mode's `cluster_error` explains it.
-_PEER_LOST = (tf.errors.UnavailableError, tf.errors.AbortedError,
-              tf.errors.CancelledError, tf.errors.DeadlineExceededError)
-
-
 def _restore_first_readable(checkpoint, paths, failures):
   for path in paths:
     try:
       checkpoint.restore(path).assert_existing_objects_matched()
-    except _PEER_LOST:
+    except strategy_lib.LOST_TASK_ERRORS:
       raise  # Not this file's fault: an older one would fail the same way.
     except (tf.errors.OpError, ValueError, AssertionError, IndexError,
             KeyError) as e:  # What truncated or missing files raise.

@@ -15,6 +15,7 @@ from typing import Sequence
 import keras
 import tensorflow as tf
 
+from dist_loop import strategy as strategy_lib
 from dist_loop.registry import Registry
 
 OPTIMIZERS: Registry = Registry("optimizer", "optimizer")
@@ -78,13 +79,10 @@ def apply_reduced(optimizer: keras.optimizers.Optimizer,
     `ok`, available only once every update has run, so callers can order
     work after the update (the ps mode's lock is released after it).
   """
-  args = (optimizer, list(grads), [_tf_variable(v) for v in variables], ok)
   kwargs = {} if lr_scale is None else {"lr_scale": lr_scale}
-  if tf.distribute.in_cross_replica_context():
-    done = _update(tf.distribute.get_strategy(), *args, **kwargs)
-  else:
-    done = tf.distribute.get_replica_context().merge_call(
-        _update, args=args, kwargs=kwargs)
+  done = strategy_lib.cross_replica_call(
+      _update, optimizer, list(grads), [_tf_variable(v) for v in variables],
+      ok, **kwargs)
   with tf.control_dependencies(done):
     return tf.identity(ok)
 

@@ -27,6 +27,8 @@ from typing import Optional
 import keras
 import tensorflow as tf
 
+from dist_loop import optim
+from dist_loop import strategy as strategy_lib
 from dist_loop.config import PRECISIONS  # noqa: F401  (re-exported)
 INITIAL_SCALE = 2.0 ** 15
 GROWTH_INTERVAL = 2000
@@ -54,6 +56,45 @@ def make_loss_scale(precision: str) -> Optional["DynamicLossScale"]:
   return DynamicLossScale() if needs_loss_scale(precision) else None
 
 
+def unscale_and_apply(optimizer, grads, variables,
+                      loss_scale: Optional["DynamicLossScale"], scale):
+  """The end of a synchronous step (sync and pipeline modes): steps 3-5 above.
+
+  `grads` are reduced and, with loss scaling, multiplied by `scale`, the
+  value the step's loss was multiplied by. Unscales them, applies them once
+  if all are finite (else the step is skipped on every replica alike), and
+  moves the scale. Returns (unscaled grads, ok).
+  """
+  if scale is not None:
+    grads = [g / scale for g in grads]
+  ok = optim.all_finite(grads)
+  optim.apply_reduced(optimizer, grads, variables, ok)
+  if loss_scale is not None:
+    loss_scale.update(ok)
+  return grads, ok
+
+
+def stale_overflow(finite, loss_finite, computed_at, current):
+  """The loss-scale rule of the asynchronous modes (async, ps), for one
+  gradient computed at scale `computed_at` while `current` is in force.
+
+  Without an all-reduce, each gradient comes at the scale its worker read.
+  Non-finite gradients of a finite loss are an overflow, to skip; only one
+  computed at the scale in force (or a smaller one) halves it, so W workers
+  that overflowed at one scale halve it once, not W times. At the floor
+  scale 1.0 nothing is left to unscale: the step is really non-finite.
+
+  Args: boolean and float32 scalar tensors.
+
+  Returns:
+    (skip, halve): skip the gradient as an overflow; halve the scale.
+  """
+  overflow = tf.logical_and(tf.logical_not(finite), loss_finite)
+  older = computed_at > current  # Already answered by a halving.
+  halve = overflow & tf.logical_not(older) & (current > 1.0)
+  return overflow & (older | halve), halve
+
+
 class DynamicLossScale(tf.Module):
   """The loss scale and its good-step counter, as (mirrored) variables.
 
@@ -75,11 +116,7 @@ class DynamicLossScale(tf.Module):
     """Halves the scale after a non-finite step; doubles it after
     `growth_interval` finite ones. Call in replica context, or in
     cross-replica context (the ps mode, under its update lock)."""
-    if tf.distribute.in_cross_replica_context():
-      self._update(tf.distribute.get_strategy(), ok)
-    else:
-      tf.distribute.get_replica_context().merge_call(self._update,
-                                                     args=(ok,))
+    strategy_lib.cross_replica_call(self._update, ok)
 
   def _update(self, strategy, ok):
     def scale_fn(scale, good, ok):

@@ -32,6 +32,24 @@ def mirrored(devices) -> tf.distribute.Strategy:
   return MirroredStrategy(devices)
 
 
+def cross_replica_call(fn, *args, **kwargs):
+  """`fn(strategy, *args, **kwargs)` in cross-replica context, from either
+  context: through `merge_call` from replica context (inside
+  `strategy.run`), directly from cross-replica context (the ps mode's
+  update lock). Returns what `fn` returns."""
+  if tf.distribute.in_cross_replica_context():
+    return fn(tf.distribute.get_strategy(), *args, **kwargs)
+  return tf.distribute.get_replica_context().merge_call(
+      fn, args=args, kwargs=kwargs)
+
+
+# What a collective or a remote op raises when another task of the cluster
+# (a peer worker, a parameter server) died or stopped answering.
+LOST_TASK_ERRORS = (tf.errors.UnavailableError,
+                    tf.errors.DeadlineExceededError, tf.errors.AbortedError,
+                    tf.errors.CancelledError)
+
+
 # -- several processes --
 
 _multi_worker = None

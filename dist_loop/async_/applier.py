@@ -18,13 +18,13 @@ loss are then an overflow: the push is skipped (neither applied nor counted
 as an update). Only a push computed at the scale in force (or a smaller one)
 halves it, so W workers that overflowed at one scale halve it once, not W
 times. At the floor scale of 1.0 nothing is scaled any more, and non-finite
-gradients are a real non-finite step. An applied push counts a good step
-towards the scale's growth.
+gradients are a real non-finite step (`precision.stale_overflow`, the rule
+the ps mode applies too). An applied push counts a good step towards the
+scale's growth.
 """
 
 import collections
 import dataclasses
-import math
 import threading
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -34,6 +34,7 @@ import tensorflow as tf
 from dist_loop import optim
 from dist_loop.async_ import policies
 from dist_loop.async_.worker import Push
+from dist_loop import precision as precision_lib
 from dist_loop.precision import DynamicLossScale
 
 
@@ -153,15 +154,14 @@ class Applier:
     """Whether the non-finite gradients of `push` are a loss-scale overflow,
     to skip, rather than a real non-finite step. Halves the scale once per
     overflow at the scale in force. Call with the lock held."""
-    if self.loss_scale is None or not math.isfinite(float(push.loss)):
+    if self.loss_scale is None:
       return False
-    current = self.current_loss_scale
-    if push.loss_scale > current:
-      return True  # At an older, larger scale: already halved since.
-    if current <= 1.0:
-      return False  # Nothing left to unscale: the step is not finite.
-    self._update_scale(False)
-    return True
+    skip, halve = precision_lib.stale_overflow(
+        tf.constant(False), tf.math.is_finite(push.loss),
+        tf.constant(push.loss_scale, tf.float32), self.loss_scale.scale)
+    if halve:
+      self._update_scale(False)
+    return bool(skip)
 
   def _update_scale(self, ok: bool) -> None:
     """Counts a good step, or halves the scale; nothing without scaling."""

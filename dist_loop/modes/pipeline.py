@@ -188,13 +188,9 @@ class PipelineTrainer(Trainer):
     scale = (None if self.loss_scale is None
              else self.loss_scale.scale.read_value())  # One for all stages.
     out = self.executor.step(x, y, scale)
-    grads = out["grads"]
-    if scale is not None:  # Unscale after the reduce: see precision.py.
-      grads = [g / scale for g in grads]
-    ok = optim.all_finite(grads)
-    optim.apply_reduced(self.optimizer, grads, self.executor.variables, ok)
-    if self.loss_scale is not None:
-      self.loss_scale.update(ok)
+    grads, ok = precision_lib.unscale_and_apply(
+        self.optimizer, out["grads"], self.executor.variables,
+        self.loss_scale, scale)
     return {**out, "grads": grads, "ok": ok}
 
   def _loop_fn(self, iterator, num_steps):

@@ -43,8 +43,8 @@ histogram, loss sums) are added to a PS vector `_stats` under the same
 lock, in this order: weights (with the optimizer's counter), then `step`,
 then `_stats`. A worker killed while its step holds the lock (or a call
 the coordinator abandons and re-runs) cancels the rest of that step's ops:
-the lock is released, and at most that one update is left part-done (weights moved but not `step`, or `step` but not
-`_stats`). A trial that recorded `_stats` first, in parallel with the
+the lock is released, and at most that one update is left part-done
+(weights moved but not `step`, or `step` but not `_stats`). A trial that recorded `_stats` first, in parallel with the
 update, once ended with 401 recorded updates for 400 counted.
 
 The chief never copies a result from a worker: a scheduled call returns
@@ -85,6 +85,7 @@ from absl import logging
 from dist_loop import cluster as cluster_lib
 from dist_loop.cluster import ClusterError
 from dist_loop import models, optim
+from dist_loop import strategy as strategy_lib
 from dist_loop import precision as precision_lib
 from dist_loop.async_ import policies
 from dist_loop.data import train_dataset_fn
@@ -99,9 +100,6 @@ _SUMS = ("loss", "accuracy", "grad_norm")
 _NUM_STATS = len(_COUNTS) + TAU_BINS + len(_SUMS)
 _INT64_MAX = 2**63 - 1
 _JOIN_POLL_S = 0.1
-# What a lost task looks like to the coordinator.
-_CLUSTER_ERRORS = (tf.errors.UnavailableError, tf.errors.AbortedError,
-                   tf.errors.CancelledError, tf.errors.DeadlineExceededError)
 
 
 def fetch_add(variable: tf.Variable) -> tf.Tensor:
@@ -272,7 +270,8 @@ class PSTrainer(Trainer):
     skipped, and the scale halves only if the gradient was computed at the
     scale in force or a smaller one (not at an older, larger scale that
     was already halved); at the floor scale 1.0 it is a real non-finite
-    step. Each applied update counts a good step towards the scale's growth.
+    step (`precision.stale_overflow`). Each applied update counts a good
+    step towards the scale's growth.
     """
     finite = optim.all_finite(grads)
 
@@ -291,19 +290,16 @@ class PSTrainer(Trainer):
       skipped = self._answer_overflow(finite, apply, loss, loss_scale)
       out = {"applied": apply, "dropped": finite & ~fresh,
              "skipped": skipped, "nonfinite": ~finite & ~skipped}
-      ok = tf.cast(apply, tf.float64)
+      # The histogram and the sums hold applied updates only; `where`, not
+      # `0 *`: a skipped overflow's grad_norm is inf, and 0 * inf is NaN.
+      of_applied = tf.concat([
+          tf.one_hot(tf.minimum(tau, TAU_BINS - 1), TAU_BINS,
+                     dtype=tf.float64),
+          tf.cast(tf.stack([loss, accuracy, grad_norm]), tf.float64)], 0)
       with tf.control_dependencies([counted]):  # Record after the count.
         recorded = self._stats.assign_add(tf.concat([
             tf.cast(tf.stack([out[k] for k in _COUNTS]), tf.float64),
-            ok * tf.one_hot(tf.minimum(tau, TAU_BINS - 1), TAU_BINS,
-                            dtype=tf.float64),
-              # `where`, not `ok *`: a skipped overflow's grad_norm is inf,
-            # and 0 * inf would make the whole sum NaN.
-            tf.where(apply,
-                     tf.cast(tf.stack([loss, accuracy, grad_norm]),
-                             tf.float64),
-                     tf.zeros([len(_SUMS)], tf.float64)),
-        ], 0))
+            tf.where(apply, of_applied, tf.zeros_like(of_applied))], 0))
       with tf.control_dependencies([recorded]):
         return {**out, "tau": tf.identity(tau), "step": counted.read_value()}
 
@@ -315,10 +311,9 @@ class PSTrainer(Trainer):
     is an overflow to skip. Without loss scaling it never is."""
     if self.loss_scale is None:
       return tf.constant(False)
-    current = self.loss_scale.scale.read_value()
-    overflow = ~finite & tf.math.is_finite(loss)
-    older_scale = loss_scale > current  # Already answered by a halving.
-    halve = overflow & ~older_scale & (current > 1.0)
+    skip, halve = precision_lib.stale_overflow(
+        finite, tf.math.is_finite(loss), loss_scale,
+        self.loss_scale.scale.read_value())
 
     def update():
       self.loss_scale.update(applied)
@@ -326,7 +321,7 @@ class PSTrainer(Trainer):
 
     moved = tf.cond(applied | halve, update, lambda: tf.constant(False))
     with tf.control_dependencies([moved]):
-      return tf.identity(overflow & (older_scale | halve))
+      return tf.identity(skip)
 
   def _loop_fn(self, iterator):
     """Up to K steps on this worker. Returns nothing: what happened is in
@@ -434,7 +429,7 @@ class PSTrainer(Trainer):
   def cluster_error(cls, config, error):
     """A lost PS (or every worker) anywhere in the run: building the
     variables, a step, a checkpoint, an evaluation, a read of `step`."""
-    if not isinstance(error, _CLUSTER_ERRORS):
+    if not isinstance(error, strategy_lib.LOST_TASK_ERRORS):
       return None
     return ClusterError(
         f"a parameter server is unreachable ({cluster_lib.describe(error)}); "

@@ -44,11 +44,6 @@ def make_strategy(devices, collective_timeout_s: float = 120.0
   return strategy_lib.mirrored(devices)
 
 
-# What a collective raises when a peer worker dies or stops answering.
-_PEER_ERRORS = (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
-                tf.errors.AbortedError, tf.errors.CancelledError)
-
-
 @MODES.register("sync")
 class SyncTrainer(Trainer):
   """`strategy.run(replica_step)` inside a `tf.function` loop."""
@@ -139,12 +134,8 @@ class SyncTrainer(Trainer):
     loss, correct, grads = self._accumulated_gradients(x, y, scale)
     grads = allreduce.all_reduce_sum(grads, cfg.allreduce_compression,
                                      cfg.allreduce_bytes_per_pack)
-    if scale is not None:  # Unscale after the reduce: see precision.py.
-      grads = [g / scale for g in grads]
-    ok = optim.all_finite(grads)
-    optim.apply_reduced(self.optimizer, grads, variables, ok)
-    if self.loss_scale is not None:
-      self.loss_scale.update(ok)
+    grads, ok = precision_lib.unscale_and_apply(
+        self.optimizer, grads, variables, self.loss_scale, scale)
     return {"loss": loss, "accuracy": correct / self.examples_per_step,
             "grad_norm": tf.linalg.global_norm(grads), "ok": ok}
 
@@ -225,7 +216,7 @@ class SyncTrainer(Trainer):
 
   @classmethod
   def cluster_error(cls, config, error):
-    if (not isinstance(error, _PEER_ERRORS)
+    if (not isinstance(error, strategy_lib.LOST_TASK_ERRORS)
         or cluster_lib.current().num_trainers <= 1):
       return None
     return cluster_lib.ClusterError(
