@@ -11,13 +11,13 @@ from typing import Dict
 import keras
 import tensorflow as tf
 
-from dist_loop.data import Split, eval_dataset
+from dist_loop.data import Dataset, eval_dataset
 
 
 class Evaluator:
   """Mean loss and accuracy over the whole eval split."""
 
-  def __init__(self, model: keras.Model, split: Split, batch_size: int):
+  def __init__(self, model: keras.Model, split: Dataset, batch_size: int):
     self._model = model
     self._dataset = eval_dataset(split.eval_x, split.eval_y, batch_size)
     self._num_examples = len(split.eval_y)

@@ -12,7 +12,7 @@ from absl import flags
 
 from dist_loop import config as config_lib
 from dist_loop import data, models, modes, optim
-from dist_loop.async_ import policies as async_policies
+from dist_loop.modes.asynchronous import policies as async_policies
 from dist_loop.errors import UserError
 
 FLAGS = flags.FLAGS

@@ -13,8 +13,8 @@ import tensorflow as tf
 from dist_loop import UserError, checkpoints, data, devices, models, train
 from dist_loop.errors import Interrupted
 from dist_loop.data import train_dataset_fn
-from dist_loop.async_.worker import Push
-from dist_loop.modes.async_mode import AsyncTrainer, WorkerFailed
+from dist_loop.modes.asynchronous.worker import Push
+from dist_loop.modes.asynchronous.trainer import AsyncTrainer, WorkerFailed
 
 
 def async_threads():

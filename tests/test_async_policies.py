@@ -16,9 +16,9 @@ import pytest
 import tensorflow as tf
 
 from dist_loop import UserError, data, devices, models, optim
-from dist_loop.async_ import policies
-from dist_loop.async_.applier import Applier
-from dist_loop.async_.worker import Push, Worker
+from dist_loop.modes.asynchronous import policies
+from dist_loop.modes.asynchronous.applier import Applier
+from dist_loop.modes.asynchronous.worker import Push, Worker
 
 LINEAR = "linear_async_test"
 NUM_WORKERS = 4

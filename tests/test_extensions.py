@@ -5,9 +5,9 @@ registration alone, and behaves as its docstring says."""
 import experiments.extensions  # pylint: disable=unused-import
 from conftest import max_diff, trained_variables
 from dist_loop import train
-from dist_loop.async_ import policies
+from dist_loop.modes.asynchronous import policies
 from dist_loop.models import MODELS
-from dist_loop.pipeline import schedule as schedule_lib
+from dist_loop.modes.pipeline import schedule as schedule_lib
 from experiments.extensions import eager_1f1b, exp_staleness, residual_cnn
 
 

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from dist_loop.errors import UserError
-from dist_loop.pipeline import partition, timeline
-from dist_loop.pipeline import schedule as sl
+from dist_loop.modes.pipeline import partition, timeline
+from dist_loop.modes.pipeline import schedule as sl
 
 
 def text(schedule):

@@ -18,10 +18,10 @@ import tensorflow as tf
 from conftest import REPO, checkpoint_variables, max_diff
 from dist_loop import train
 from dist_loop.data import pipeline
-from dist_loop.data.base import DATASETS, Split
+from dist_loop.data.base import DATASETS, Dataset
 from dist_loop.errors import NonFiniteError, UserError
 from dist_loop.modes import sync
-from dist_loop.modes.async_mode import AsyncTrainer
+from dist_loop.modes.asynchronous.trainer import AsyncTrainer
 from dist_loop.modes.pipeline import PipelineTrainer
 
 NAN_EXAMPLES = 640
@@ -36,7 +36,7 @@ def _one_nan(data_dir, seed, image_size=None):
   x = rng.randn(NAN_EXAMPLES, 10).astype(np.float32)
   y = (x[:, 0] > 0).astype(np.int32)
   x[0] = np.nan
-  return Split(x, y, x[1:65], y[1:65], 10)
+  return Dataset(x, y, x[1:65], y[1:65], 10)
 
 
 def _nan_step(seed=0):

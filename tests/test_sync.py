@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from conftest import checkpoint_variables
 from dist_loop import train
-from dist_loop.data.base import DATASETS, Split
+from dist_loop.data.base import DATASETS, Dataset
 from dist_loop.errors import NonFiniteError
 from dist_loop.modes import sync
 
@@ -101,7 +101,7 @@ def _nan_dataset(data_dir, seed, image_size=None):
   del data_dir, seed, image_size
   x = np.full((64, 10), np.nan, np.float32)
   y = np.zeros(64, np.int32)
-  return Split(x, y, x[:8], y[:8], 10)
+  return Dataset(x, y, x[:8], y[:8], 10)
 
 
 def test_non_finite_loss_stops_and_names_the_step(small_config):

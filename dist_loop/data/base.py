@@ -1,6 +1,6 @@
 """What every dataset loader returns, and the registry they join.
 
-A loader is `fn(data_dir, seed, image_size) -> Split`: numpy arrays in memory,
+A loader is `fn(data_dir, seed, image_size) -> Dataset`: numpy arrays in memory,
 already normalised, with a held-out evaluation split. `image_size` is what the
 model asks for (the seed CNN wants 28x28x1); loaders of image data resize to
 it, and loaders of feature data may ignore it.
@@ -15,7 +15,7 @@ from dist_loop.registry import Registry
 
 
 @dataclasses.dataclass(frozen=True)
-class Split:
+class Dataset:
   """A dataset in memory: float32 inputs, int32 labels, train and eval."""
 
   train_x: np.ndarray
@@ -42,9 +42,9 @@ def resize_images(images: np.ndarray, image_size: Optional[int]) -> np.ndarray:
 
 
 def holdout(x: np.ndarray, y: np.ndarray, num_classes: int, eval_fraction: float,
-            seed: int) -> Split:
+            seed: int) -> Dataset:
   """Splits arrays into train/eval with a fixed permutation of `seed`."""
   order = np.random.RandomState(seed).permutation(len(x))
   n_eval = int(round(len(x) * eval_fraction))
   ev, tr = order[:n_eval], order[n_eval:]
-  return Split(x[tr], y[tr], x[ev], y[ev], num_classes)
+  return Dataset(x[tr], y[tr], x[ev], y[ev], num_classes)

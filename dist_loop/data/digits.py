@@ -7,13 +7,13 @@ A fixed 20% is held out for evaluation.
 
 import numpy as np
 
-from dist_loop.data.base import DATASETS, Split, holdout, resize_images
+from dist_loop.data.base import DATASETS, Dataset, holdout, resize_images
 
 HOLDOUT_SEED = 0
 
 
 @DATASETS.register("digits")
-def load(data_dir, seed, image_size=None) -> Split:
+def load(data_dir, seed, image_size=None) -> Dataset:
   del data_dir, seed  # The split is fixed, so eval numbers compare across runs.
   from sklearn.datasets import load_digits  # pylint: disable=g-import-not-at-top
   bunch = load_digits()

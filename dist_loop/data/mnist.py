@@ -9,7 +9,7 @@ import os
 
 import numpy as np
 
-from dist_loop.data.base import DATASETS, Split, resize_images
+from dist_loop.data.base import DATASETS, Dataset, resize_images
 from dist_loop.errors import UserError
 
 FILENAME = "mnist.npz"
@@ -26,7 +26,7 @@ def candidate_paths(data_dir):
 
 
 @DATASETS.register("mnist")
-def load(data_dir, seed, image_size=None) -> Split:
+def load(data_dir, seed, image_size=None) -> Dataset:
   del seed
   paths = candidate_paths(data_dir)
   path = next((p for p in paths if os.path.isfile(p)), None)
@@ -45,5 +45,5 @@ def load(data_dir, seed, image_size=None) -> Split:
   def images(x):
     return resize_images((x.astype(np.float32) / 255.0)[..., None], image_size)
 
-  return Split(images(x_train), y_train.astype(np.int32), images(x_test),
+  return Dataset(images(x_train), y_train.astype(np.int32), images(x_test),
                y_test.astype(np.int32), 10)

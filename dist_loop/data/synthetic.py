@@ -8,7 +8,7 @@ model asks for images, the inputs are image_size x image_size x 1.
 
 import numpy as np
 
-from dist_loop.data.base import DATASETS, Split, holdout
+from dist_loop.data.base import DATASETS, Dataset, holdout
 
 NUM_EXAMPLES = 4096
 NUM_FEATURES = 10
@@ -19,7 +19,7 @@ DATA_SEED = 1234
 
 
 @DATASETS.register("synthetic")
-def load(data_dir, seed, image_size=None) -> Split:
+def load(data_dir, seed, image_size=None) -> Dataset:
   del data_dir, seed
   rng = np.random.RandomState(DATA_SEED)
   shape = (NUM_FEATURES,) if image_size is None else (image_size, image_size, 1)

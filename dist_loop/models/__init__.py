@@ -1,6 +1,6 @@
 """Models (a name registry of ordered layer lists)."""
 
-from dist_loop.models import seed  # Registers the seed models.
+from dist_loop.models import cnn, mlp  # Registers the models.
 from dist_loop.models import deep_mlp  # pylint: disable=unused-import
 from dist_loop.models.base import MODELS, build, image_size_for
 

@@ -2,7 +2,7 @@
 
 from dist_loop.modes import sync  # Registers the modes.
 from dist_loop.modes import pipeline  # pylint: disable=unused-import
-from dist_loop.modes import async_mode  # pylint: disable=unused-import
+from dist_loop.modes import asynchronous  # pylint: disable=unused-import
 from dist_loop.modes import ps  # pylint: disable=unused-import
 from dist_loop.modes.base import MODES, Trainer
 

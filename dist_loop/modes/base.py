@@ -15,7 +15,7 @@ import numpy as np
 import tensorflow as tf
 
 from dist_loop.config import Config, check_divisible
-from dist_loop.data import Split
+from dist_loop.data import Dataset
 from dist_loop.errors import UserError
 from dist_loop.registry import Registry
 
@@ -86,7 +86,7 @@ class Trainer(abc.ABC):
     The default, for single-process modes, does nothing.
     """
 
-  def __init__(self, config: Config, devices: List[str], split: Split):
+  def __init__(self, config: Config, devices: List[str], split: Dataset):
     self.config = config
     self.devices = devices
     self.split = split

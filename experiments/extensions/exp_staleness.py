@@ -8,7 +8,7 @@ one or two versions old. Select it with `--staleness_lr=exp`; see
 `async_exp_staleness.flags`.
 """
 
-from dist_loop.async_.policies import STALENESS_LR
+from dist_loop.modes.asynchronous.policies import STALENESS_LR
 
 DECAY = 0.5
 

@@ -22,7 +22,7 @@ import numpy as np  # pylint: disable=g-import-not-at-top
 import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
 from dist_loop import Config, devices  # pylint: disable=g-import-not-at-top
-from dist_loop.data.base import DATASETS, Split  # pylint: disable=g-import-not-at-top
+from dist_loop.data.base import DATASETS, Dataset  # pylint: disable=g-import-not-at-top
 from dist_loop.models.base import MODELS  # pylint: disable=g-import-not-at-top
 from dist_loop.modes import build_trainer  # pylint: disable=g-import-not-at-top
 from tools.benchmarks.common import interleaved_medians, markdown_table  # pylint: disable=g-import-not-at-top
@@ -49,7 +49,7 @@ def bench_features(data_dir, seed, image_size=None):
   rng = np.random.RandomState(seed)
   x = rng.randn(4 * BATCH, WIDTH).astype(np.float32)
   y = rng.randint(0, CLASSES, len(x)).astype(np.int32)
-  return Split(x, y, x[:BATCH], y[:BATCH], CLASSES)
+  return Dataset(x, y, x[:BATCH], y[:BATCH], CLASSES)
 
 
 def train_flops_per_step(batch, widths):

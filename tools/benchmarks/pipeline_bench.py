@@ -168,8 +168,8 @@ def schedule_name(row) -> str:
 
 def _draw(rows, path):
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from dist_loop.pipeline import schedule as sl  # pylint: disable=g-import-not-at-top
-  from dist_loop.pipeline import timeline  # pylint: disable=g-import-not-at-top
+  from dist_loop.modes.pipeline import schedule as sl  # pylint: disable=g-import-not-at-top
+  from dist_loop.modes.pipeline import timeline  # pylint: disable=g-import-not-at-top
   images = []
   for r in rows:
     if r["m"] == TIMELINE_M and "starts" in r:

@@ -24,7 +24,7 @@ import tensorflow as tf
 
 from dist_loop import models
 from dist_loop import precision as precision_lib
-from dist_loop.data import Split, train_dataset_fn
+from dist_loop.data import Dataset, train_dataset_fn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +44,7 @@ class Worker:
   """Worker `index` of `num_workers`, pinned to `device`."""
 
   def __init__(self, index: int, num_workers: int, device: str, model_name: str,
-               split: Split, batch_size: int, seed: int,
+               split: Dataset, batch_size: int, seed: int,
                precision: str = "float32"):
     self.index = index
     self.num_workers = num_workers

@@ -36,10 +36,10 @@ from dist_loop.config import Config, check_divisible
 from dist_loop.data import train_dataset_fn
 from dist_loop.errors import NonFiniteError, UserError
 from dist_loop.modes.base import MODES, Trainer
-from dist_loop.pipeline import partition
-from dist_loop.pipeline import schedule as schedule_lib
-from dist_loop.pipeline import timeline
-from dist_loop.pipeline.executor import RECOMPUTE, PipelineExecutor, bubble
+from dist_loop.modes.pipeline import partition
+from dist_loop.modes.pipeline import schedule as schedule_lib
+from dist_loop.modes.pipeline import timeline
+from dist_loop.modes.pipeline.executor import RECOMPUTE, PipelineExecutor, bubble
 
 STAGE_SPLITS = ("auto", "params", "explicit")
 

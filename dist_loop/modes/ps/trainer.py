@@ -87,7 +87,7 @@ from dist_loop.cluster import ClusterError
 from dist_loop import models, optim
 from dist_loop import strategy as strategy_lib
 from dist_loop import precision as precision_lib
-from dist_loop.async_ import policies
+from dist_loop.modes.asynchronous import policies
 from dist_loop.data import train_dataset_fn
 from dist_loop.errors import NonFiniteError, UserError
 from dist_loop.modes.base import MODES, Trainer
@@ -266,7 +266,7 @@ class PSTrainer(Trainer):
     replica thread's `merge_call` hand-off, which deadlocks tracing.
 
     With float16, non-finite gradients of a finite loss are an overflow,
-    handled as in `--mode=async` (async_/applier.py): the gradient is
+    handled as in `--mode=async` (asynchronous/applier.py): the gradient is
     skipped, and the scale halves only if the gradient was computed at the
     scale in force or a smaller one (not at an older, larger scale that
     was already halved); at the floor scale 1.0 it is a real non-finite

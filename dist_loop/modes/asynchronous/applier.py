@@ -32,8 +32,8 @@ import keras
 import tensorflow as tf
 
 from dist_loop import optim
-from dist_loop.async_ import policies
-from dist_loop.async_.worker import Push
+from dist_loop.modes.asynchronous import policies
+from dist_loop.modes.asynchronous.worker import Push
 from dist_loop import precision as precision_lib
 from dist_loop.precision import DynamicLossScale
 

@@ -20,7 +20,7 @@ evaluation and checkpoints see still master variables; the workers wait on
 their last push meanwhile. Every get,
 put and join has a timeout, and a failure in any thread stops all of them
 and is raised in the main thread, naming the thread. The step logic itself
-(`Worker.compute`, `Applier.offer`) lives in `dist_loop.async_` and has no
+(`Worker.compute`, `Applier.offer`) lives in `worker.py` and `applier.py` and has no
 threads, so tests can force any interleaving.
 
 Each push is the gradient of one worker's batch of `--global_batch_size`
@@ -49,9 +49,9 @@ from absl import logging
 from dist_loop import models, optim
 from dist_loop import precision as precision_lib
 from dist_loop import straggler as straggler_lib
-from dist_loop.async_ import policies
-from dist_loop.async_.applier import Applier
-from dist_loop.async_.worker import Push, Worker
+from dist_loop.modes.asynchronous import policies
+from dist_loop.modes.asynchronous.applier import Applier
+from dist_loop.modes.asynchronous.worker import Push, Worker
 from dist_loop.config import Config
 from dist_loop.errors import NonFiniteError, UserError
 from dist_loop.modes.base import MODES, Trainer

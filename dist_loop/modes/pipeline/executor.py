@@ -44,7 +44,7 @@ from typing import Dict, List, Optional, Sequence
 import keras
 import tensorflow as tf
 
-from dist_loop.pipeline import schedule as schedule_lib
+from dist_loop.modes.pipeline import schedule as schedule_lib
 
 RECOMPUTE = ("never", "always", "except_last")
 

@@ -63,7 +63,7 @@ def check_split_points(points: Sequence[int], num_stages: int,
 
 
 def balance(costs: Sequence[float], num_stages: int) -> List[int]:
-  """Split points that minimise the largest stage's summed cost.
+  """Dataset points that minimise the largest stage's summed cost.
 
   Args:
     costs: one non-negative cost per layer, in order.

@@ -10,7 +10,7 @@ from typing import List, Sequence, Tuple
 
 import numpy as np
 
-from dist_loop.pipeline import schedule as schedule_lib
+from dist_loop.modes.pipeline import schedule as schedule_lib
 
 # A 3x5 pixel font for the labels: only the characters the chart uses.
 _FONT = {

@@ -1,2 +1,0 @@
-"""Pipeline model parallelism: partition, schedules as data, executor,
-timeline. The Trainer that uses them is `dist_loop.modes.pipeline`."""
