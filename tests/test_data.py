@@ -7,7 +7,7 @@ import tensorflow as tf
 from dist_loop import data
 from dist_loop import strategy as strategy_lib
 from dist_loop.errors import UserError
-from dist_loop.data import pipeline
+from dist_loop.data import stream
 
 N = 96  # Examples; a multiple of the global batch, so one epoch = 4 steps.
 GLOBAL_BATCH = 24
@@ -21,7 +21,7 @@ def _per_replica_indices(num_replicas, steps, start_step=0, seed=7):
   devices = [d.name for d in tf.config.list_logical_devices("CPU")]
   strategy = strategy_lib.mirrored(devices[:num_replicas])
   x = np.arange(N, dtype=np.int64)
-  fn = pipeline.train_dataset_fn(x, x, GLOBAL_BATCH, seed, start_step)
+  fn = stream.train_dataset_fn(x, x, GLOBAL_BATCH, seed, start_step)
   it = iter(strategy.distribute_datasets_from_function(fn))
   out = []
   for _ in range(steps):

@@ -17,7 +17,7 @@ import tensorflow as tf
 
 from conftest import REPO, checkpoint_variables, max_diff
 from dist_loop import train
-from dist_loop.data import pipeline
+from dist_loop.data import stream
 from dist_loop.data.base import DATASETS, Dataset
 from dist_loop.errors import NonFiniteError, UserError
 from dist_loop.modes import sync
@@ -42,7 +42,7 @@ def _one_nan(data_dir, seed, image_size=None):
 def _nan_step(seed=0):
   """The 1-based step whose global batch first holds example 0."""
   index = np.arange(NAN_EXAMPLES)
-  ds = pipeline.train_dataset_fn(index, index, BATCH, seed)(
+  ds = stream.train_dataset_fn(index, index, BATCH, seed)(
       tf.distribute.InputContext(1, 0, 1))
   for step, (xb, _) in enumerate(ds.take(NAN_EXAMPLES // BATCH), start=1):
     if 0 in xb.numpy():

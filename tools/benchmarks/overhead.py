@@ -26,7 +26,7 @@ import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
 from dist_loop import Config, data, devices, models, optim  # pylint: disable=g-import-not-at-top
 from dist_loop import strategy as strategy_lib  # pylint: disable=g-import-not-at-top
-from dist_loop.data import pipeline  # pylint: disable=g-import-not-at-top
+from dist_loop.data import stream  # pylint: disable=g-import-not-at-top
 from dist_loop.modes import build_trainer  # pylint: disable=g-import-not-at-top
 from tools.benchmarks.common import interleaved_medians, markdown_table  # pylint: disable=g-import-not-at-top
 
@@ -61,7 +61,7 @@ def fit_steps_per_execution(num_devices):
 
 def _keras_fit(names, split, loops):
   strategy = strategy_lib.mirrored(names)
-  fn = pipeline.train_dataset_fn(split.train_x, split.train_y, GLOBAL_BATCH,
+  fn = stream.train_dataset_fn(split.train_x, split.train_y, GLOBAL_BATCH,
                                  seed=0)
   # The same stream, batched to the global batch: fit splits it itself.
   dataset = fn(tf.distribute.InputContext(1, 0, 1))
@@ -85,7 +85,7 @@ def _bare(names, split, loops):
   with strategy.scope():
     model = models.build("cnn", split.input_shape, split.num_classes)
     optimizer = optim.make("adam", LEARNING_RATE, model.trainable_variables)
-  fn = pipeline.train_dataset_fn(split.train_x, split.train_y, GLOBAL_BATCH,
+  fn = stream.train_dataset_fn(split.train_x, split.train_y, GLOBAL_BATCH,
                                  seed=0)
   iterator = iter(strategy.distribute_datasets_from_function(fn))
 
