@@ -13,10 +13,16 @@ from dist_loop.config import Config  # pylint: disable=g-import-not-at-top
 from dist_loop.errors import NonFiniteError, UserError
 
 
+def make_config(**fields):
+  """See `dist_loop.configure.make_config`: a Config from flat flag values."""
+  from dist_loop import configure  # pylint: disable=g-import-not-at-top
+  return configure.make_config(**fields)
+
+
 def run(config, flags_text=None):
   """See `dist_loop.train.run`. Imported lazily: it pulls in TensorFlow."""
   from dist_loop import train  # pylint: disable=g-import-not-at-top
   return train.run(config, flags_text)
 
 
-__all__ = ["Config", "NonFiniteError", "UserError", "run"]
+__all__ = ["Config", "NonFiniteError", "UserError", "make_config", "run"]

@@ -1,26 +1,27 @@
 """The typed, frozen run configuration that the library receives.
 
-Flags live in `experiments/`; they are turned into a `Config` there. Nothing in
-`dist_loop/` reads absl FLAGS, so tests and other front ends build a `Config`
-directly. `validate()` holds the rules that do not need TensorFlow, and the
-flag layer calls it at parse time, so a bad combination fails before any work.
+`Config` holds the run-wide fields; the chosen mode's own settings travel in
+`mode_options`, an instance of that mode's options dataclass (see
+`dist_loop/options.py`). This module imports nothing above it and reads no
+environment, so a `Config` means the same thing wherever it is built.
+`validate()` checks the rules that need neither TensorFlow nor a registry;
+`dist_loop.configure` adds the rules that do.
 """
 
 import dataclasses
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
-from dist_loop import cluster
+from dist_loop import options as options_lib
 from dist_loop.errors import UserError
 
 DEVICE_TYPES = ("auto", "cpu", "gpu")
-COMPRESSIONS = ("none", "fp16", "bf16")
 PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
 NONFINITE_POLICIES = ("raise", "skip", "rollback")
 # Changing these on an existing workdir changes what the checkpoint means
-# (its variables, their placement, or the data position of a step).
-LAYOUT_FIELDS = ("dataset", "model", "num_devices", "num_stages",
-                 "stage_split", "split_points", "async_workers",
-                 "global_batch_size", "grad_accum_steps")
+# (its variables, or the data position of a step). Modes add their own
+# (`option(..., layout=True)`).
+LAYOUT_FIELDS = ("dataset", "model", "num_devices", "global_batch_size",
+                 "grad_accum_steps")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,59 +49,34 @@ class Config:
   profile_steps: str = ""  # "a,b": TF profiler trace of steps a..b.
   precision: str = "float32"
   grad_accum_steps: int = 1
-  # -- reliability --
   nonfinite: str = "raise"
   max_rollbacks: int = 3
   grace_period_s: float = 30.0
   allow_config_change: bool = False
-  allreduce_bytes_per_pack: int = 0
-  allreduce_compression: str = "none"
   eval_batch_size: int = 256
   max_checkpoints: int = 3
   intra_op_threads: int = 0
   inter_op_threads: int = 0
-  # -- pipeline (checked by PipelineTrainer.validate_config) --
-  num_stages: int = 2
-  stage_split: str = "auto"
-  split_points: str = ""
-  num_microbatches: int = 4
-  pipeline_schedule: str = "1f1b"
-  recompute: str = "never"
-  # -- async (checked by AsyncTrainer.validate_config) --
-  async_workers: int = 0
-  max_staleness: int = -1
-  staleness_lr: str = "none"
-  async_compensation: str = "none"
-  dc_lambda: float = 0.04
-  # -- sync and async: WORKER:FACTOR, one worker FACTOR times slower --
-  straggler: Optional[str] = None
-  # -- multiple processes (TF_CONFIG): multi-worker sync and ps --
+  # Multi-process runs: a collective (or, in ps mode, a round without an
+  # applied update) that waits this long for a peer fails.
   collective_timeout_s: float = 120.0
-  ps_steps_per_call: int = 4
+  # The mode's options dataclass; None means its defaults.
+  mode_options: Any = None
 
   def validate(self) -> "Config":
-    """Checks the rules that span fields. Returns self; raises UserError."""
-    # Registries are imported here, not at the top: they pull in TensorFlow.
-    from dist_loop import data, models, modes, optim  # pylint: disable=g-import-not-at-top
-    trainer_class = modes.MODES.get(self.mode)
-    models.MODELS.get(self.model)
-    data.DATASETS.get(self.dataset)
-    optim.OPTIMIZERS.get(self.optimizer)
+    """Checks the run-wide rules. Returns self; raises UserError."""
     _check_choice("device_type", self.device_type, DEVICE_TYPES)
     _check_choice("precision", self.precision, PRECISIONS)
     _check_choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
     if self.max_rollbacks < 0 or not self.grace_period_s > 0:
       raise UserError("--max_rollbacks must be >= 0 and --grace_period_s > 0")
-    _check_choice("allreduce_compression", self.allreduce_compression,
-                  COMPRESSIONS)
     for name in ("num_devices", "global_batch_size", "train_steps",
                  "steps_per_loop", "log_every", "eval_every",
                  "checkpoint_every", "eval_batch_size", "max_checkpoints",
-                 "ps_steps_per_call"):
+                 "grad_accum_steps"):
       if getattr(self, name) < 1:
         raise UserError(f"--{name} must be at least 1, got {getattr(self, name)}")
-    for name in ("histogram_every", "allreduce_bytes_per_pack",
-                 "intra_op_threads", "inter_op_threads"):
+    for name in ("histogram_every", "intra_op_threads", "inter_op_threads"):
       if getattr(self, name) < 0:
         raise UserError(f"--{name} must be >= 0, got {getattr(self, name)}")
     if not self.collective_timeout_s > 0:
@@ -108,13 +84,11 @@ class Config:
                       f"{self.collective_timeout_s}")
     if not self.learning_rate > 0:
       raise UserError(f"--learning_rate must be > 0, got {self.learning_rate}")
+    if not self.workdir:
+      raise UserError("--workdir is empty; name the run's directory, for "
+                      "example --workdir=runs/default")
     self.profile_range  # pylint: disable=pointless-statement
-    if cluster.current().num_tasks > 1 and not trainer_class.multi_process:
-      raise UserError(f"--mode={self.mode} runs in one process, but "
-                      "TF_CONFIG describes a cluster; unset TF_CONFIG, or use "
-                      "--mode=sync or --mode=ps")
-    trainer_class.check_capabilities(self)
-    trainer_class.validate_config(self)
+    options_lib.check(self.mode_options)
     return self
 
   @property
@@ -133,29 +107,41 @@ class Config:
                       f"1 <= FIRST <= LAST <= --train_steps={self.train_steps}")
     return first, last
 
+  def flat(self) -> Dict[str, Any]:
+    """Every run-wide field and mode option by flag name (no None values)."""
+    values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+              if f.name != "mode_options"}
+    values.update(options_lib.as_dict(self.mode_options))
+    return {k: v for k, v in values.items() if v is not None}
+
   def to_flagfile(self) -> str:
     """The config as a flagfile (what WORKDIR/flags.txt holds)."""
     lines = []
-    for field in dataclasses.fields(self):
-      value = getattr(self, field.name)
-      if value is None:
-        continue
+    for name, value in self.flat().items():
       if isinstance(value, bool):
-        lines.append(f"--{'' if value else 'no'}{field.name}")
+        lines.append(f"--{'' if value else 'no'}{name}")
       else:
-        lines.append(f"--{field.name}={value}")
+        lines.append(f"--{name}={value}")
     return "\n".join(lines) + "\n"
 
   def layout_changes(self, previous_flagfile: str) -> List[str]:
     """`--name: old -> new` for each layout field that differs from a
-    previous run's flags.txt (fields it does not mention are not compared)."""
+    previous run's flags.txt. Fields one side does not mention (an option
+    of another mode) are not compared: checkpoints do not depend on the
+    mode."""
     old = parse_flagfile(previous_flagfile)
     new = parse_flagfile(self.to_flagfile())
-    return [f"--{k}: {old[k]} -> {new.get(k)}" for k in LAYOUT_FIELDS
-            if k in old and old[k] != new.get(k)]
+    fields = LAYOUT_FIELDS + options_lib.layout_fields(self.mode_options)
+    return [f"--{k}: {old[k]} -> {new[k]}" for k in fields
+            if k in old and k in new and old[k] != new[k]]
 
   def replace(self, **changes) -> "Config":
     return dataclasses.replace(self, **changes)
+
+  def replace_options(self, **changes) -> "Config":
+    """A copy with some mode options changed."""
+    return dataclasses.replace(
+        self, mode_options=dataclasses.replace(self.mode_options, **changes))
 
 
 def parse_flagfile(text: str) -> Dict[str, str]:

@@ -24,7 +24,7 @@ from dist_loop.errors import Interrupted, NonFiniteError, UserError
 from dist_loop.evaluation import Evaluator, probe_gradients
 from dist_loop.files import atomic_write_json
 from dist_loop.memory import peak_memory_mb
-from dist_loop.modes.base import Trainer
+from dist_loop.modes.base import Reporting, Trainer
 from dist_loop.summaries import Summaries
 
 PROBE_BATCH = 256
@@ -204,9 +204,11 @@ class Controller:
     self.summaries.scalars(step, {**metrics, "train/examples_per_sec": rate,
                                   "train/steps_per_sec": steps_per_sec,
                                   **peak_memory_mb(self.trainer.devices)})
-    self.summaries.images(step, self.trainer.images())
-    self.summaries.scalars(step, self.trainer.log_scalars())
-    self.summaries.histograms(step, self.trainer.histograms())
+    if isinstance(self.trainer, Reporting):
+      report = self.trainer.report()
+      self.summaries.images(step, report.images)
+      self.summaries.scalars(step, report.scalars)
+      self.summaries.histograms(step, report.histograms)
     logging.info("step %d/%d  loss %.4f  acc %.3f  %.0f ex/s  eta %s", step,
                  self.config.train_steps, metrics.get("train/loss", np.nan),
                  metrics.get("train/accuracy", np.nan), rate, eta)
@@ -222,7 +224,7 @@ class Controller:
 
   def _histograms(self, step: int) -> None:
     model = self.trainer.model
-    split = self.trainer.split
+    split = self.trainer.dataset
     x, y = split.train_x[:PROBE_BATCH], split.train_y[:PROBE_BATCH]
     grads = self.trainer.on_master(probe_gradients, model, x, y)
     values = {}
@@ -257,7 +259,8 @@ class Controller:
     }
     summary["skipped_steps"] = self._skipped
     summary["rollbacks"] = self._rollbacks
-    summary.update(self.trainer.extra_summary())
+    if isinstance(self.trainer, Reporting):
+      summary.update(self.trainer.summary())
     summary.update({k.replace("memory/", "memory_"): v
                     for k, v in peak_memory_mb(self.trainer.devices).items()})
     if self.summary_path:

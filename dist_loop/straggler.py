@@ -14,6 +14,7 @@ import time
 from typing import Optional
 
 from dist_loop.errors import UserError
+from dist_loop.options import option
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,3 +80,10 @@ def sleep(seconds: float, stop: Optional[threading.Event] = None) -> None:
     time.sleep(seconds)
   else:
     stop.wait(seconds)
+
+
+def straggler_option():
+  """The `--straggler` option, declared alike by the modes that take it."""
+  return option(None, "WORKER:FACTOR makes one worker (async) or replica "
+                "(sync) FACTOR times slower, e.g. 1:3; for research and "
+                "benchmarks.")

@@ -13,7 +13,8 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from dist_loop import checkpoints, data, devices, models
+from dist_loop import checkpoints, configure, data, devices, models
+from dist_loop import cluster as cluster_lib
 from dist_loop.config import Config
 from dist_loop.errors import UserError
 from dist_loop.controller import Controller
@@ -40,9 +41,11 @@ def run(config: Config, flags_text: Optional[str] = None) -> Dict[str, object]:
     UserError: bad input; nothing in the workdir was changed.
     NonFiniteError: the loss or gradients became non-finite.
   """
-  config.validate()
+  cluster = cluster_lib.current()  # Read once; passed down from here.
+  config = configure.validate(config, cluster)
   _check_layout_unchanged(config)
-  MODES.get(config.mode).join_cluster(config)  # Before TensorFlow starts.
+  mode = MODES.get(config.mode)
+  mode.join_cluster(config, cluster)  # Before TensorFlow starts.
   device_names = devices.configure(config.num_devices, config.device_type,
                                    config.intra_op_threads,
                                    config.inter_op_threads)
@@ -52,13 +55,13 @@ def run(config: Config, flags_text: Optional[str] = None) -> Dict[str, object]:
   split = data.DATASETS.get(config.dataset)(
       config.data_dir, config.seed, models.image_size_for(config.model))
   try:
-    trainer = build_trainer(config, device_names, split)
+    trainer = build_trainer(config, device_names, split, cluster)
     try:
       return _train(config, trainer, split, flags_text)
     finally:
       trainer.close()
   except tf.errors.OpError as e:
-    error = MODES.get(config.mode).cluster_error(config, e)
+    error = mode.cluster_error(config, cluster, e)
     if error is None:
       raise
     raise error from None
@@ -104,6 +107,5 @@ def _check_layout_unchanged(config: Config) -> None:
 
 def _hparams(config: Config) -> Dict[str, object]:
   """The config minus paths: what distinguishes runs in the HParams tab."""
-  values = {k: v for k, v in vars(config).items()
-            if k not in ("workdir", "data_dir")}
-  return {k: v for k, v in values.items() if v is not None}
+  return {k: v for k, v in config.flat().items()
+          if k not in ("workdir", "data_dir")}

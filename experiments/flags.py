@@ -1,18 +1,22 @@
 """The command-line contract: flag definitions, parse-time checks, Config.
 
-Every flag here maps one to one onto a `dist_loop.Config` field. Checks that a
-flag can do alone (enums, bounds, registered names) and those that span flags
-run while absl parses, so a bad command fails before TensorFlow starts any
-work. `to_config()` is the only bridge from FLAGS to the library.
+Run-wide flags are defined here, one per `dist_loop.Config` field. Each
+mode's flags are generated from its options dataclass (`Trainer.Options`,
+see `dist_loop/options.py`), so a mode brings its own flags and this file
+does not change when one is added. Checks a flag can do alone (enums,
+bounds, registered names) and those that span flags run while absl parses,
+so a bad command fails before TensorFlow starts any work. `to_config()` is
+the only bridge from FLAGS to the library.
 """
 
-import dataclasses
+from typing import Dict, List
 
 from absl import flags
 
+from dist_loop import cluster as cluster_lib
 from dist_loop import config as config_lib
-from dist_loop import data, models, modes, optim
-from dist_loop.modes.asynchronous import policies as async_policies
+from dist_loop import configure, data, models, modes, optim
+from dist_loop import options as options_lib
 from dist_loop.errors import UserError
 
 FLAGS = flags.FLAGS
@@ -83,56 +87,14 @@ flags.DEFINE_float("grace_period_s", 30.0, "After SIGTERM, seconds to save a "
                    "checkpoint and exit.", lower_bound=0.1)
 flags.DEFINE_bool("allow_config_change", False, "Resume a workdir even if "
                   "the model or device layout flags differ from flags.txt.")
-# -- all-reduce --
-flags.DEFINE_integer("allreduce_bytes_per_pack", 0, "Pack gradients into "
-                     "chunks of this many bytes for the all-reduce (0: "
-                     "TensorFlow decides).", lower_bound=0)
-flags.DEFINE_enum("allreduce_compression", "none", config_lib.COMPRESSIONS,
-                  "Cast gradients to this dtype for the all-reduce.")
-# -- pipeline --
-flags.DEFINE_integer("num_stages", 2, "Pipeline stages K (--mode=pipeline); "
-                     "--num_devices=R*K runs R data-parallel pipelines.",
-                     lower_bound=1)
-flags.DEFINE_enum("stage_split", "auto", ["auto", "params", "explicit"],
-                  "How the layers are cut into stages: auto (the model's own "
-                  "split if it declares one, else balance measured time), "
-                  "params (balance parameter counts), explicit "
-                  "(--split_points).")
-flags.DEFINE_string("split_points", "", "For --stage_split=explicit: K-1 "
-                    "increasing layer indices where stages start, e.g. 2,4.")
-flags.DEFINE_integer("num_microbatches", 4, "Micro-batches M per replica "
-                     "batch; use M >= 4K for a small bubble.", lower_bound=1)
-flags.DEFINE_string("pipeline_schedule", "1f1b", "Registered pipeline "
-                    "schedule: gpipe, 1f1b, or one an extension adds.")
-flags.DEFINE_enum("recompute", "never", ["never", "always", "except_last"],
-                  "Recompute each stage's activations in its backward "
-                  "(tf.recompute_grad) instead of keeping them.")
-# -- async --
-flags.DEFINE_integer("async_workers", 0, "Worker threads of --mode=async, "
-                     "each on its own device (round robin) with its own "
-                     "model copy and input shard (0: one per device).",
-                     lower_bound=0)
-flags.DEFINE_integer("max_staleness", -1, "Async and ps: drop gradients more "
-                     "than this many updates stale (-1: no bound).",
-                     lower_bound=-1)
-flags.DEFINE_string("staleness_lr", "none", "Async: registered staleness "
-                    "learning-rate policy: none, inverse (lr / max(1, tau)), "
-                    "or one an extension adds.")
-flags.DEFINE_string("async_compensation", "none", "Async: registered delay "
-                    "compensation: none, dc (DC-ASGD).")
-flags.DEFINE_float("dc_lambda", 0.04, "Async: DC-ASGD strength lambda in "
-                   "g + lambda*g*g*(w_now - w_read).", lower_bound=0.0)
-flags.DEFINE_string("straggler", None, "WORKER:FACTOR makes one worker (async) "
-                    "or replica (sync) FACTOR times slower, e.g. 1:3; for "
-                    "research and benchmarks.")
 # -- multiple processes (TF_CONFIG; see tools/launch.py) --
 flags.DEFINE_float("collective_timeout_s", 120.0, "Multi-worker sync: a "
                    "collective that waits this long for a peer fails "
                    "(CommunicationOptions.timeout_seconds); ps: training "
                    "fails after this long without an applied update.",
                    lower_bound=0.001)
-flags.DEFINE_integer("ps_steps_per_call", 4, "Ps: steps one scheduled "
-                     "function runs on a worker per call.", lower_bound=1)
+
+_RUN_FLAGS = [n for n in configure.flat_defaults()] + ["workdir"]
 
 
 def _registered(registry):
@@ -148,40 +110,92 @@ def _registered(registry):
 flags.register_validator("dataset", _registered(data.DATASETS))
 flags.register_validator("model", _registered(models.MODELS))
 flags.register_validator("optimizer", _registered(optim.OPTIMIZERS))
-flags.register_validator("staleness_lr",
-                         _registered(async_policies.STALENESS_LR))
-flags.register_validator("async_compensation",
-                         _registered(async_policies.COMPENSATIONS))
 
 
-def _field_names():
-  return [f.name for f in dataclasses.fields(config_lib.Config)]
+def define_mode_flags() -> Dict[str, List[str]]:
+  """Defines a flag for every option of every registered mode (once per
+  name), and returns {flag: [modes that take it]}.
+
+  Called at import for the built-in modes, and again by the entry point
+  after extensions have registered theirs.
+  """
+  owners: Dict[str, List[str]] = {}
+  for mode in modes.MODES.names():
+    for spec in options_lib.specs(modes.MODES.get(mode).Options):
+      owners.setdefault(spec.name, []).append(mode)
+      if spec.name in FLAGS:
+        continue
+      _define(spec)
+  return owners
+
+
+def _define(spec: options_lib.Spec) -> None:
+  help_text = spec.help
+  kwargs = {}
+  if spec.type is bool:
+    flags.DEFINE_bool(spec.name, spec.default, help_text)
+    return
+  if spec.type in (int, float):
+    kwargs = {"lower_bound": spec.lower, "upper_bound": spec.upper}
+    define = flags.DEFINE_integer if spec.type is int else flags.DEFINE_float
+    define(spec.name, spec.default, help_text, **kwargs)
+    return
+  if isinstance(spec.choices, (tuple, list)):
+    flags.DEFINE_enum(spec.name, spec.default, list(spec.choices), help_text)
+    return
+  flags.DEFINE_string(spec.name, spec.default, help_text)
+  if spec.choices is not None:
+    flags.register_validator(spec.name, _registered(spec.choices))
+
+
+define_mode_flags()
+
+
+def _mode_flag_names() -> List[str]:
+  return sorted(define_mode_flags())
+
+
+def _values(overrides=None) -> Dict[str, object]:
+  """The run-wide flags, the chosen mode's flags, and an error for a flag
+  the user set that belongs to another mode."""
+  overrides = overrides or {}
+  mode = overrides.get("mode", FLAGS["mode"].value)
+  owners = define_mode_flags()
+  fields = {n: overrides.get(n, FLAGS[n].value) for n in _RUN_FLAGS}
+  for name, taken_by in owners.items():
+    if mode in taken_by:
+      fields[name] = overrides.get(name, FLAGS[name].value)
+    elif FLAGS[name].present:
+      raise UserError(f"--{name} is an option of --mode="
+                      f"{' or --mode='.join(taken_by)}, not of --mode={mode}; "
+                      "drop it or change --mode")
+  return fields
 
 
 @flags.multi_flags_validator(["mode", "num_devices", "global_batch_size"])
 def _config_is_valid(values):
   """Every rule that spans flags, mode-specific ones included, at parse time.
 
-  The rules live with the code they protect (`Config.validate` and each
-  mode's `Trainer.validate_config`); this only runs them. absl runs
-  validators once all flags are parsed, so the other fields are read as-is.
+  The rules live with the code they protect (`Config.validate`,
+  `dist_loop.configure` and each mode's `Trainer.validate`); this only runs
+  them. absl runs validators once all flags are parsed, so the other
+  fields are read as they are.
   """
-  fields = {n: FLAGS[n].value for n in _field_names()}
-  fields.update(values)
   try:
-    config_lib.Config(**fields).validate()
+    configure.validate(configure.make_config(**_values(values)),
+                       cluster_lib.current())
   except UserError as e:
     raise flags.ValidationError(str(e)) from None
   return True
 
 
 def to_config() -> config_lib.Config:
-  """The parsed flags as a frozen Config (raises UserError if invalid)."""
-  return config_lib.Config(**{n: FLAGS[n].value for n in _field_names()}
-                           ).validate()
+  """The parsed flags as a validated Config (raises UserError if invalid)."""
+  return configure.validate(configure.make_config(**_values()),
+                            cluster_lib.current())
 
 
 def to_flagfile() -> str:
-  """The resolved run flags in flagfile format, for WORKDIR/flags.txt."""
-  lines = [FLAGS[n].serialize() for n in _field_names()]
-  return "\n".join(line for line in lines if line) + "\n"
+  """The resolved run flags in flagfile format, for WORKDIR/flags.txt:
+  the run-wide flags and the chosen mode's."""
+  return to_config().to_flagfile()

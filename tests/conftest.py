@@ -63,7 +63,7 @@ def run_launch(*args, timeout=240):
 @pytest.fixture
 def small_config(tmp_path):
   """A factory of tiny, fast Configs in a fresh workdir."""
-  from dist_loop import Config  # pylint: disable=g-import-not-at-top
+  from dist_loop import make_config  # pylint: disable=g-import-not-at-top
 
   def make(**overrides):
     base = dict(workdir=str(tmp_path / "run"), dataset="synthetic",
@@ -72,6 +72,6 @@ def small_config(tmp_path):
                 steps_per_loop=5, log_every=5, eval_every=10,
                 checkpoint_every=10, seed=0)
     base.update(overrides)
-    return Config(**base)
+    return make_config(**base)
 
   return make

@@ -16,13 +16,15 @@ from dist_loop.registry import Registry
 
 @dataclasses.dataclass(frozen=True)
 class Dataset:
-  """A dataset in memory: float32 inputs, int32 labels, train and eval."""
+  """A dataset in memory: inputs, int32 labels, train and held-out eval."""
 
   train_x: np.ndarray
   train_y: np.ndarray
   eval_x: np.ndarray
   eval_y: np.ndarray
   num_classes: int
+  # The registered task it poses (dist_loop/tasks): what the loss is.
+  task: str = "classification"
 
   @property
   def input_shape(self) -> Tuple[int, ...]:

@@ -4,12 +4,12 @@ from dist_loop.modes import sync  # Registers the modes.
 from dist_loop.modes import pipeline  # pylint: disable=unused-import
 from dist_loop.modes import asynchronous  # pylint: disable=unused-import
 from dist_loop.modes import ps  # pylint: disable=unused-import
-from dist_loop.modes.base import MODES, Trainer
+from dist_loop.modes.base import MODES, Report, Reporting, Trainer
 
 
-def build_trainer(config, devices, split) -> Trainer:
+def build_trainer(config, devices, dataset, cluster) -> Trainer:
   """The registered `Trainer` of `config.mode`."""
-  return MODES.get(config.mode)(config, devices, split)
+  return MODES.get(config.mode)(config, devices, dataset, cluster)
 
 
-__all__ = ["MODES", "Trainer", "build_trainer"]
+__all__ = ["MODES", "Report", "Reporting", "Trainer", "build_trainer"]

@@ -1,19 +1,26 @@
 """The one interface every parallel mode implements, and the mode registry.
 
 A mode owns how a step is computed across devices: its strategy or threads,
-the model's master variables, the optimizer and the inner loop. The
+the master variables, the optimizer and the inner loop. It computes losses
+and metrics only through the step core (`dist_loop/step.py`). The
 controller owns everything around it (schedule, evaluation, checkpoints,
-summaries) and never looks inside. To add a mode, subclass `Trainer` in one
-file and register it: `@MODES.register("name")`.
+summaries) and never looks inside.
+
+To add a mode: a package under `dist_loop/modes/` (or an extension module)
+with a `Trainer` subclass, its `Options` dataclass of flags
+(`dist_loop/options.py`), and `@MODES.register("name")`.
 """
 
 import abc
-from typing import Dict, List
+import dataclasses
+from typing import Dict, List, Optional
 
 import keras
 import numpy as np
 import tensorflow as tf
 
+from dist_loop import tasks
+from dist_loop.cluster import Cluster
 from dist_loop.config import Config, check_divisible
 from dist_loop.data import Dataset
 from dist_loop.errors import UserError
@@ -22,48 +29,59 @@ from dist_loop.registry import Registry
 MODES: Registry = Registry("mode", "mode")
 
 
+@dataclasses.dataclass(frozen=True)
+class NoOptions:
+  """A mode without options of its own."""
+
+
 class Trainer(abc.ABC):
   """The inner loop of one parallel mode.
 
   Attributes:
+    options: the mode's options (`Options`).
+    task: what is learned (`dist_loop/tasks`), from the dataset.
     model: the `keras.Sequential` holding the master variables; evaluation
       and checkpoints read it.
     optimizer: the optimizer whose slots are checkpointed.
-    step: int64 `tf.Variable`, the number of steps applied so far.
-    is_chief: whether this process writes summaries, `summary.json`,
+    step: int64 `tf.Variable`, the number of steps so far.
+    loss_scale: the float16 `DynamicLossScale`, or None.
+    is_chief: whether this process writes summaries, summary.json,
       flags.txt and the kept checkpoints.
     examples_per_step: examples consumed by one step, for throughput.
   """
 
-  model: keras.Sequential
-  optimizer: keras.optimizers.Optimizer
-  step: tf.Variable
-  is_chief: bool = True
-  # The float16 DynamicLossScale (precision.py) of a mode that scales, else
-  # None; checkpointed under one name in every mode.
-  loss_scale = None
+  Options = NoOptions
   # Whether the mode runs across the tasks of a TF_CONFIG cluster; the others
   # refuse a TF_CONFIG with several tasks (they would race on the workdir).
   multi_process: bool = False
-
-  @classmethod
-  def num_replicas(cls, config: Config) -> int:
-    """Data-parallel replicas the global batch is split over."""
-    return config.num_devices
-
-  # Capabilities a mode opts into; validate_config refuses the rest.
+  # Capabilities a mode opts into; `check_capabilities` refuses the rest.
   precisions = ("float32",)
   grad_accumulation = False
   skips_nonfinite = False  # Can drop a non-finite step (--nonfinite=skip).
 
+  model: keras.Sequential
+  optimizer: keras.optimizers.Optimizer
+  step: tf.Variable
+  loss_scale = None
+  is_chief: bool = True
+
+  # -- before TensorFlow starts: class methods on the config --
+
   @classmethod
-  def validate_config(cls, config: Config) -> None:
+  def num_replicas(cls, config: Config, cluster: Cluster) -> int:
+    """Data-parallel replicas the global batch is split over."""
+    del cluster
+    return config.num_devices
+
+  @classmethod
+  def validate(cls, config: Config, cluster: Cluster) -> None:
     """Mode-specific rules, checked before any work. Raises UserError."""
-    check_divisible(config.global_batch_size, cls.num_replicas(config))
+    check_divisible(config.global_batch_size,
+                    cls.num_replicas(config, cluster))
 
   @classmethod
   def check_capabilities(cls, config: Config) -> None:
-    """Refuses features this mode did not opt into, before its own rules."""
+    """Refuses run-wide features this mode did not opt into."""
     if config.precision not in cls.precisions:
       raise UserError(f"--precision={config.precision} is not supported in "
                       f"--mode={config.mode}; use one of "
@@ -77,19 +95,32 @@ class Trainer(abc.ABC):
                       "larger --global_batch_size")
 
   @classmethod
-  def join_cluster(cls, config: Config) -> None:
+  def join_cluster(cls, config: Config, cluster: Cluster) -> None:
     """Runs first in a process, before TensorFlow starts its runtime.
 
     A mode that spans processes joins its cluster here (a
     MultiWorkerMirroredStrategy must be built before any op runs); a process
     that only serves (a parameter server) serves here and never returns.
-    The default, for single-process modes, does nothing.
     """
 
-  def __init__(self, config: Config, devices: List[str], split: Dataset):
+  @classmethod
+  def cluster_error(cls, config: Config, cluster: Cluster,
+                    error: tf.errors.OpError) -> Optional[UserError]:
+    """The one-line `UserError` that a TensorFlow runtime error raised
+    anywhere in the run means in this mode (a lost peer), or None."""
+    del config, cluster, error
+    return None
+
+  # -- the run --
+
+  def __init__(self, config: Config, devices: List[str], dataset: Dataset,
+               cluster: Cluster):
     self.config = config
+    self.options = config.mode_options
     self.devices = devices
-    self.split = split
+    self.dataset = dataset
+    self.cluster = cluster
+    self.task = tasks.for_dataset(dataset)
     self.examples_per_step = config.global_batch_size * config.grad_accum_steps
 
   @abc.abstractmethod
@@ -113,45 +144,44 @@ class Trainer(abc.ABC):
     """The scope under which eval and restore see the master variables."""
     return tf.distribute.get_strategy().scope()
 
-  @classmethod
-  def cluster_error(cls, config: Config, error: tf.errors.OpError):
-    """The `UserError` (one line, naming the fix) that a TensorFlow runtime
-    error raised anywhere in the run means in this mode, or None if it is
-    not a lost peer. `train.run` asks once, for the whole run (a class
-    method, so building the trainer is covered too): a peer can be lost
-    while the variables are made, in a step, a checkpoint, an evaluation
-    or a read of the step."""
-    del config, error
-    return None
-
   def on_restore(self) -> None:
     """Called after a checkpoint was restored mid-run (a rollback): the
     input must restart from the restored step."""
 
   def on_master(self, fn, *args):
-    """Runs `fn(*args)` where the master variables can be differentiated.
-
-    Mirrored variables only give gradients in replica context, so modes with
-    a strategy run `fn` there and return the first replica's result.
-    """
+    """Runs `fn(*args)` where the master variables can be differentiated
+    (mirrored variables only in replica context); returns its result."""
     return fn(*args)
-
-  def images(self) -> Dict[str, np.ndarray]:
-    """Images to log at log time, name -> HWC uint8 (e.g. a timeline)."""
-    return {}
-
-  def log_scalars(self) -> Dict[str, float]:
-    """Scalars to log as they are at log time (running totals), not averaged
-    over the window like `train`'s metrics."""
-    return {}
-
-  def histograms(self) -> Dict[str, np.ndarray]:
-    """Values collected since the last log, written as histograms then."""
-    return {}
-
-  def extra_summary(self) -> Dict[str, object]:
-    """Mode-specific entries merged into summary.json."""
-    return {}
 
   def close(self) -> None:
     """Stops threads and frees devices. Safe to call twice."""
+
+
+class Reporting(abc.ABC):
+  """What a mode may report besides `train`'s metrics (optional).
+
+  A trainer that also subclasses `Reporting` is asked at every log line
+  for `report()` and once at the end for `summary()`.
+  """
+
+  def report(self) -> "Report":
+    """Running totals, histograms and images, at a log line."""
+    return Report()
+
+  def summary(self) -> Dict[str, object]:
+    """Mode-specific entries merged into summary.json."""
+    return {}
+
+
+@dataclasses.dataclass
+class Report:
+  """What a mode logs at a log line, beyond its averaged train metrics.
+
+  scalars: values as they are now (running totals), name -> float.
+  histograms: values collected since the last log line, name -> array.
+  images: name -> HWC uint8 array (e.g. the pipeline timeline).
+  """
+
+  scalars: Dict[str, float] = dataclasses.field(default_factory=dict)
+  histograms: Dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+  images: Dict[str, np.ndarray] = dataclasses.field(default_factory=dict)

@@ -23,13 +23,14 @@ from dist_loop import strategy as strategy_lib
 from dist_loop.data import train_dataset_fn
 from dist_loop.errors import NonFiniteError, UserError
 from dist_loop.modes.base import MODES, Trainer
+from dist_loop.modes.sync.options import SyncOptions
 
 
-def make_strategy(devices, collective_timeout_s: float = 120.0
-                  ) -> tf.distribute.Strategy:
+def make_strategy(devices, collective_timeout_s: float = 120.0,
+                  num_trainers: int = 1) -> tf.distribute.Strategy:
   """The one place sync mode picks its strategy.
 
-  * `TF_CONFIG` names several training processes: the process's
+  * several training processes (`num_trainers`, from TF_CONFIG): the process's
     MultiWorkerMirroredStrategy (built by `join_cluster` at start-up), whose
     replicas are every worker's devices and whose collectives fail after
     `collective_timeout_s`;
@@ -39,7 +40,7 @@ def make_strategy(devices, collective_timeout_s: float = 120.0
 
   Either way the step below is the same: one explicit all-reduce.
   """
-  if cluster_lib.current().num_trainers > 1:
+  if num_trainers > 1:
     return strategy_lib.multi_worker(collective_timeout_s)
   return strategy_lib.mirrored(devices)
 
@@ -48,16 +49,16 @@ def make_strategy(devices, collective_timeout_s: float = 120.0
 class SyncTrainer(Trainer):
   """`strategy.run(replica_step)` inside a `tf.function` loop."""
 
+  Options = SyncOptions
   multi_process = True
 
   @classmethod
-  def num_replicas(cls, config):
+  def num_replicas(cls, config, cluster):
     # Multi-worker: every training process contributes its devices.
-    return config.num_devices * max(cluster_lib.current().num_trainers, 1)
+    return config.num_devices * max(cluster.num_trainers, 1)
 
   @classmethod
-  def validate_config(cls, config):
-    cluster = cluster_lib.current()
+  def validate(cls, config, cluster):
     if cluster.num_ps:
       raise UserError("TF_CONFIG has parameter servers ('ps' tasks); use "
                       "--mode=ps, or a cluster of workers only for --mode=sync")
@@ -67,28 +68,31 @@ class SyncTrainer(Trainer):
           f"--num_devices={config.num_devices}: MultiWorkerMirroredStrategy "
           "runs one replica per worker on CPU; use --num_devices=1 and more "
           "workers")
-    super().validate_config(config)
-    straggler_lib.check(config.straggler, cls.num_replicas(config), "replicas")
+    super().validate(config, cluster)
+    straggler_lib.check(config.mode_options.straggler,
+                        cls.num_replicas(config, cluster), "replicas")
 
   @classmethod
-  def join_cluster(cls, config):
-    if cluster_lib.current().num_trainers > 1:
+  def join_cluster(cls, config, cluster):
+    if cluster.num_trainers > 1:
       strategy_lib.multi_worker(config.collective_timeout_s)
 
-  def __init__(self, config, devices, split):
-    super().__init__(config, devices, split)
-    self.is_chief = cluster_lib.current().is_chief
-    self.strategy = make_strategy(devices, config.collective_timeout_s)
-    if self.strategy.num_replicas_in_sync != self.num_replicas(config):
+  def __init__(self, config, devices, dataset, cluster):
+    super().__init__(config, devices, dataset, cluster)
+    self.is_chief = cluster.is_chief
+    self.strategy = make_strategy(devices, config.collective_timeout_s,
+                                  cluster.num_trainers)
+    if self.strategy.num_replicas_in_sync != self.num_replicas(config,
+                                                               cluster):
       raise UserError(
           f"the strategy has {self.strategy.num_replicas_in_sync} replicas "
           f"but --num_devices={config.num_devices} on each of "
-          f"{cluster_lib.current().num_trainers} workers asks for "
-          f"{self.num_replicas(config)}; make every worker see "
+          f"{cluster.num_trainers} workers asks for "
+          f"{self.num_replicas(config, cluster)}; make every worker see "
           "--num_devices devices")
     with self.strategy.scope():
-      self.model = models.build(config.model, split.input_shape,
-                                split.num_classes, precision=config.precision)
+      self.model = models.build(config.model, dataset.input_shape,
+                                dataset.num_classes, precision=config.precision)
       self.optimizer = optim.make(config.optimizer, config.learning_rate,
                                   self.model.trainable_variables)
       self.loss_scale = precision_lib.make_loss_scale(config.precision)
@@ -96,7 +100,7 @@ class SyncTrainer(Trainer):
           0, dtype=tf.int64, trainable=False, name="step",
           aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
     self.trace_count = 0
-    self.straggler = straggler_lib.parse(config.straggler)
+    self.straggler = straggler_lib.parse(self.options.straggler)
     self._iterator = None
     self._on_master_fns = {}
     self._loop = tf.function(self._loop_fn)
@@ -132,8 +136,8 @@ class SyncTrainer(Trainer):
     variables = self.model.trainable_variables
     scale = self.loss_scale.scale if self.loss_scale is not None else None
     loss, correct, grads = self._accumulated_gradients(x, y, scale)
-    grads = allreduce.all_reduce_sum(grads, cfg.allreduce_compression,
-                                     cfg.allreduce_bytes_per_pack)
+    grads = allreduce.all_reduce_sum(grads, self.options.allreduce_compression,
+                                     self.options.allreduce_bytes_per_pack)
     grads, ok = precision_lib.unscale_and_apply(
         self.optimizer, grads, variables, self.loss_scale, scale)
     return {"loss": loss, "accuracy": correct / self.examples_per_step,
@@ -215,9 +219,9 @@ class SyncTrainer(Trainer):
     return means, bad_step
 
   @classmethod
-  def cluster_error(cls, config, error):
+  def cluster_error(cls, config, cluster, error):
     if (not isinstance(error, strategy_lib.LOST_TASK_ERRORS)
-        or cluster_lib.current().num_trainers <= 1):
+        or cluster.num_trainers <= 1):
       return None
     return cluster_lib.ClusterError(
         f"a peer worker failed or is unreachable "
@@ -228,7 +232,7 @@ class SyncTrainer(Trainer):
 
   def train(self, num_steps: int) -> Dict[str, float]:
     if self._iterator is None:  # Built lazily: resumes at the restored step.
-      fn = train_dataset_fn(self.split.train_x, self.split.train_y,
+      fn = train_dataset_fn(self.dataset.train_x, self.dataset.train_y,
                             self.examples_per_step, self.config.seed,
                             start_step=int(self.step.numpy()))
       self._iterator = iter(self.strategy.distribute_datasets_from_function(fn))
