@@ -1,8 +1,8 @@
 """The typed, frozen run configuration that the library receives.
 
-`Config` holds the run-wide fields; the chosen mode's own settings travel in
-`mode_options`, an instance of that mode's options dataclass (see
-`dist_loop/options.py`). This module imports nothing above it and reads no
+`Config` holds the run-wide fields; the chosen mode's, model's and dataset's
+own settings travel in `mode_options`, `model_options` and `dataset_options`,
+instances of the options dataclasses they declare (`dist_loop/options.py`). This module imports nothing above it and reads no
 environment, so a `Config` means the same thing wherever it is built.
 `validate()` checks the rules that need neither TensorFlow nor a registry;
 `dist_loop.configure` adds the rules that do.
@@ -22,6 +22,7 @@ NONFINITE_POLICIES = ("raise", "skip", "rollback")
 # (`option(..., layout=True)`).
 LAYOUT_FIELDS = ("dataset", "model", "num_devices", "global_batch_size",
                  "grad_accum_steps")
+COMPONENT_FIELDS = ("mode_options", "model_options", "dataset_options")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,8 +61,12 @@ class Config:
   # Multi-process runs: a collective (or, in ps mode, a round without an
   # applied update) that waits this long for a peer fails.
   collective_timeout_s: float = 120.0
-  # The mode's options dataclass; None means its defaults.
+  # The options dataclasses of the chosen mode, model and dataset (a
+  # registered component may declare `Options`); None means no options or
+  # their defaults (`dist_loop.configure.validate` fills them in).
   mode_options: Any = None
+  model_options: Any = None
+  dataset_options: Any = None
 
   def validate(self) -> "Config":
     """Checks the run-wide rules. Returns self; raises UserError."""
@@ -88,8 +93,12 @@ class Config:
       raise UserError("--workdir is empty; name the run's directory, for "
                       "example --workdir=runs/default")
     self.profile_range  # pylint: disable=pointless-statement
-    options_lib.check(self.mode_options)
+    for options in self.component_options():
+      options_lib.check(options)
     return self
+
+  def component_options(self) -> Tuple[Any, ...]:
+    return (self.mode_options, self.model_options, self.dataset_options)
 
   @property
   def profile_range(self) -> Optional[Tuple[int, int]]:
@@ -110,8 +119,9 @@ class Config:
   def flat(self) -> Dict[str, Any]:
     """Every run-wide field and mode option by flag name (no None values)."""
     values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-              if f.name != "mode_options"}
-    values.update(options_lib.as_dict(self.mode_options))
+              if f.name not in COMPONENT_FIELDS}
+    for options in self.component_options():
+      values.update(options_lib.as_dict(options))
     return {k: v for k, v in values.items() if v is not None}
 
   def to_flagfile(self) -> str:
@@ -131,7 +141,8 @@ class Config:
     mode."""
     old = parse_flagfile(previous_flagfile)
     new = parse_flagfile(self.to_flagfile())
-    fields = LAYOUT_FIELDS + options_lib.layout_fields(self.mode_options)
+    fields = LAYOUT_FIELDS + sum(
+        (options_lib.layout_fields(o) for o in self.component_options()), ())
     return [f"--{k}: {old[k]} -> {new[k]}" for k in fields
             if k in old and k in new and old[k] != new[k]]
 
@@ -139,9 +150,19 @@ class Config:
     return dataclasses.replace(self, **changes)
 
   def replace_options(self, **changes) -> "Config":
-    """A copy with some mode options changed."""
-    return dataclasses.replace(
-        self, mode_options=dataclasses.replace(self.mode_options, **changes))
+    """A copy with some mode, model or dataset options changed."""
+    new = {}
+    for field in COMPONENT_FIELDS:
+      options = getattr(self, field)
+      names = set(options_lib.as_dict(options))
+      mine = {k: v for k, v in changes.items() if k in names}
+      if mine:
+        new[field] = dataclasses.replace(options, **mine)
+    unknown = set(changes) - {k for o in new.values()
+                              for k in options_lib.as_dict(o)}
+    if unknown:
+      raise UserError(f"unknown options {sorted(unknown)}")
+    return dataclasses.replace(self, **new)
 
 
 def parse_flagfile(text: str) -> Dict[str, str]:

@@ -5,42 +5,78 @@ sits above the registries of modes, models, datasets and optimizers and
 checks names against them, then asks the chosen mode for its own rules.
 The flag layer and `run` both call `validate`, so a bad combination fails at
 parse time, before any work.
+
+A registered mode, model or dataset may declare `Options`, a dataclass of
+`option(...)` fields (`dist_loop/options.py`): its flags. `COMPONENTS` says
+which registry fills which `Config` field.
 """
 
 import dataclasses
-from typing import Any, Dict
+from typing import Any, Dict, List, Tuple
 
 from dist_loop import cluster as cluster_lib
 from dist_loop import data, models, modes, optim
-from dist_loop.config import Config
+from dist_loop import options as options_lib
+from dist_loop.config import COMPONENT_FIELDS, Config
 from dist_loop.errors import UserError
+from dist_loop.registry import Registry
+
+# (selector field, registry, Config field of its options)
+COMPONENTS: Tuple[Tuple[str, Registry, str], ...] = (
+    ("mode", modes.MODES, "mode_options"),
+    ("model", models.MODELS, "model_options"),
+    ("dataset", data.DATASETS, "dataset_options"),
+)
 
 _RUN_FIELDS = tuple(f.name for f in dataclasses.fields(Config)
-                    if f.name != "mode_options")
+                    if f.name not in COMPONENT_FIELDS)
+
+
+def options_class(registry: Registry, name: str):
+  """The options dataclass a registered entry declares, or None."""
+  return getattr(registry.get(name), "Options", None)
+
+
+def owners() -> Dict[str, List[str]]:
+  """{option name: ["--mode=ps", "--model=transformer", ...]} over every
+  registered component that declares it."""
+  out: Dict[str, List[str]] = {}
+  for selector, registry, _ in COMPONENTS:
+    for name in registry.names():
+      cls = options_class(registry, name)
+      for spec in options_lib.specs(cls) if cls else ():
+        out.setdefault(spec.name, []).append(f"--{selector}={name}")
+  return out
 
 
 def make_config(**fields: Any) -> Config:
   """A Config from flat `name=value` pairs, as flags give them.
 
-  Run-wide names go to `Config`; the chosen mode's options go to its
-  options dataclass. An unknown name, or an option of another mode, is a
-  `UserError`. The result is not validated yet (see `validate`).
+  Run-wide names go to `Config`; the options of the chosen mode, model and
+  dataset go to their options dataclasses. An unknown name, or an option of
+  a component that was not chosen, is a `UserError`. The result is not
+  validated yet (see `validate`).
   """
-  mode = fields.get("mode", "sync")
-  options_class = modes.MODES.get(mode).Options
-  option_names = {f.name for f in dataclasses.fields(options_class)}
-  run = {k: v for k, v in fields.items() if k in _RUN_FIELDS}
-  mode_fields = {k: v for k, v in fields.items() if k in option_names}
-  unknown = sorted(set(fields) - set(run) - set(mode_fields))
+  chosen = {}
+  taken = set(k for k in fields if k in _RUN_FIELDS)
+  defaults = {f.name: f.default for f in dataclasses.fields(Config)}
+  for selector, registry, field in COMPONENTS:
+    cls = options_class(registry, fields.get(selector, defaults[selector]))
+    if cls is None:
+      continue
+    names = {f.name for f in dataclasses.fields(cls)}
+    chosen[field] = cls(**{k: v for k, v in fields.items() if k in names})
+    taken |= names & set(fields)
+  unknown = sorted(set(fields) - taken)
   if unknown:
-    owners = {name: m for m in modes.MODES.names()
-              for name in _option_names(m)}
+    who = owners()
     for name in unknown:
-      if name in owners:
-        raise UserError(f"--{name} is an option of --mode={owners[name]}, not "
-                        f"of --mode={mode}; drop it or change --mode")
+      if name in who:
+        raise UserError(f"--{name} is an option of {' or '.join(who[name])}, "
+                        "which this run does not use; drop it")
     raise UserError(f"unknown setting {unknown[0]!r}")
-  return Config(**run, mode_options=options_class(**mode_fields))
+  return Config(**{k: v for k, v in fields.items() if k in _RUN_FIELDS},
+                **chosen)
 
 
 def validate(config: Config, cluster: cluster_lib.Cluster) -> Config:
@@ -51,23 +87,28 @@ def validate(config: Config, cluster: cluster_lib.Cluster) -> Config:
     cluster: this process's place in the cluster (read once, at start).
 
   Returns:
-    `config`, with `mode_options` filled in with the mode's defaults if it
-    was None.
+    `config`, with each chosen component's options filled in with their
+    defaults where they were None.
 
   Raises:
     UserError: naming the fix.
   """
   trainer_class = modes.MODES.get(config.mode)
-  if config.mode_options is None:
-    config = config.replace(mode_options=trainer_class.Options())
-  elif not isinstance(config.mode_options, trainer_class.Options):
-    raise UserError(f"--mode={config.mode} takes options of type "
-                    f"{trainer_class.Options.__name__}, got "
-                    f"{type(config.mode_options).__name__}")
-  config.validate()
-  models.MODELS.get(config.model)
-  data.DATASETS.get(config.dataset)
   optim.OPTIMIZERS.get(config.optimizer)
+  for selector, registry, field in COMPONENTS:
+    cls = options_class(registry, getattr(config, selector))
+    value = getattr(config, field)
+    if cls is None:
+      if value is not None:
+        raise UserError(f"--{selector}={getattr(config, selector)} takes no "
+                        "options")
+    elif value is None:
+      config = config.replace(**{field: cls()})
+    elif not isinstance(value, cls):
+      raise UserError(f"--{selector}={getattr(config, selector)} takes "
+                      f"options of type {cls.__name__}, got "
+                      f"{type(value).__name__}")
+  config.validate()
   if cluster.num_tasks > 1 and not trainer_class.multi_process:
     raise UserError(f"--mode={config.mode} runs in one process, but "
                     "TF_CONFIG describes a cluster; unset TF_CONFIG, or use "
@@ -77,12 +118,8 @@ def validate(config: Config, cluster: cluster_lib.Cluster) -> Config:
   return config
 
 
-def _option_names(mode: str):
-  return [f.name for f in dataclasses.fields(modes.MODES.get(mode).Options)]
-
-
 def flat_defaults() -> Dict[str, Any]:
   """Every run-wide field's default (for tests and tools)."""
   return {f.name: f.default for f in dataclasses.fields(Config)
-          if f.name != "mode_options"
+          if f.name not in COMPONENT_FIELDS
           and f.default is not dataclasses.MISSING}

@@ -52,8 +52,7 @@ def run(config: Config, flags_text: Optional[str] = None) -> Dict[str, object]:
   keras.utils.set_random_seed(config.seed)
   if config.deterministic:
     tf.config.experimental.enable_op_determinism()
-  split = data.DATASETS.get(config.dataset)(
-      config.data_dir, config.seed, models.image_size_for(config.model))
+  split = data.load(config)
   try:
     trainer = build_trainer(config, device_names, split, cluster)
     try:

@@ -1,9 +1,10 @@
 """The command-line contract: flag definitions, parse-time checks, Config.
 
-Run-wide flags are defined here, one per `dist_loop.Config` field. Each
-mode's flags are generated from its options dataclass (`Trainer.Options`,
-see `dist_loop/options.py`), so a mode brings its own flags and this file
-does not change when one is added. Checks a flag can do alone (enums,
+Run-wide flags are defined here, one per `dist_loop.Config` field. The
+flags of each mode, model and dataset are generated from the options
+dataclass it declares (`Options`, see `dist_loop/options.py`), so a
+component brings its own flags and this file does not change when one is
+added. Checks a flag can do alone (enums,
 bounds, registered names) and those that span flags run while absl parses,
 so a bad command fails before TensorFlow starts any work. `to_config()` is
 the only bridge from FLAGS to the library.
@@ -112,21 +113,21 @@ flags.register_validator("model", _registered(models.MODELS))
 flags.register_validator("optimizer", _registered(optim.OPTIMIZERS))
 
 
-def define_mode_flags() -> Dict[str, List[str]]:
-  """Defines a flag for every option of every registered mode (once per
-  name), and returns {flag: [modes that take it]}.
+def define_component_flags() -> Dict[str, List[str]]:
+  """Defines a flag for every option of every registered mode, model and
+  dataset (once per name), and returns {flag: ["--mode=ps", ...]}.
 
-  Called at import for the built-in modes, and again by the entry point
-  after extensions have registered theirs.
+  Called at import for the built-in components, and again before the
+  flags are read, after extensions may have registered theirs.
   """
-  owners: Dict[str, List[str]] = {}
-  for mode in modes.MODES.names():
-    for spec in options_lib.specs(modes.MODES.get(mode).Options):
-      owners.setdefault(spec.name, []).append(mode)
-      if spec.name in FLAGS:
-        continue
-      _define(spec)
-  return owners
+  who = configure.owners()
+  for selector, registry, _ in configure.COMPONENTS:
+    for name in registry.names():
+      cls = configure.options_class(registry, name)
+      for spec in options_lib.specs(cls) if cls else ():
+        if spec.name not in FLAGS:
+          _define(spec)
+  return who
 
 
 def _define(spec: options_lib.Spec) -> None:
@@ -148,27 +149,27 @@ def _define(spec: options_lib.Spec) -> None:
     flags.register_validator(spec.name, _registered(spec.choices))
 
 
-define_mode_flags()
-
-
-def _mode_flag_names() -> List[str]:
-  return sorted(define_mode_flags())
+define_component_flags()
 
 
 def _values(overrides=None) -> Dict[str, object]:
-  """The run-wide flags, the chosen mode's flags, and an error for a flag
-  the user set that belongs to another mode."""
+  """The run-wide flags and the chosen components' options; an error for a
+  flag the user set that belongs to a component this run does not use."""
   overrides = overrides or {}
-  mode = overrides.get("mode", FLAGS["mode"].value)
-  owners = define_mode_flags()
-  fields = {n: overrides.get(n, FLAGS[n].value) for n in _RUN_FLAGS}
-  for name, taken_by in owners.items():
-    if mode in taken_by:
-      fields[name] = overrides.get(name, FLAGS[name].value)
+  who = define_component_flags()
+
+  def value(name):
+    return overrides.get(name, FLAGS[name].value)
+
+  chosen = {f"--{selector}={value(selector)}"
+            for selector, _, _ in configure.COMPONENTS}
+  fields = {n: value(n) for n in _RUN_FLAGS}
+  for name, taken_by in who.items():
+    if chosen & set(taken_by):
+      fields[name] = value(name)
     elif FLAGS[name].present:
-      raise UserError(f"--{name} is an option of --mode="
-                      f"{' or --mode='.join(taken_by)}, not of --mode={mode}; "
-                      "drop it or change --mode")
+      raise UserError(f"--{name} is an option of {' or '.join(taken_by)}, "
+                      "which this run does not use; drop it")
   return fields
 
 

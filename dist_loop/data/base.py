@@ -34,6 +34,21 @@ class Dataset:
 DATASETS: Registry = Registry("dataset", "dataset")
 
 
+def load(config) -> Dataset:
+  """The run's dataset: the registered loader of `config.dataset`, asked for
+  the image size the model wants, with the dataset's options if the loader
+  declares `Options` (it is then called with `options=`)."""
+  from dist_loop import models  # pylint: disable=g-import-not-at-top
+  loader = DATASETS.get(config.dataset)
+  kwargs = {}
+  if hasattr(loader, "Options"):
+    kwargs["options"] = (config.dataset_options
+                         if config.dataset_options is not None
+                         else loader.Options())
+  return loader(config.data_dir, config.seed,
+                models.image_size_for(config.model), **kwargs)
+
+
 def resize_images(images: np.ndarray, image_size: Optional[int]) -> np.ndarray:
   """Bilinear resize of NHWC images to image_size x image_size."""
   if image_size is None or images.shape[1:3] == (image_size, image_size):

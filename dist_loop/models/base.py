@@ -26,9 +26,19 @@ def image_size_for(model_name: str):
   return getattr(MODELS.get(model_name), "image_size", None)
 
 
+def build_for(config, dataset,
+              layer_device: Optional[Callable[[int], str]] = None
+              ) -> keras.Sequential:
+  """`build` with the run's model, precision and model options, for the
+  dataset's input shape and classes. What every mode calls."""
+  return build(config.model, dataset.input_shape, dataset.num_classes,
+               layer_device=layer_device, precision=config.precision,
+               options=config.model_options)
+
+
 def build(model_name: str, input_shape: Sequence[int], num_classes: int,
           layer_device: Optional[Callable[[int], str]] = None,
-          precision: str = "float32") -> keras.Sequential:
+          precision: str = "float32", options=None) -> keras.Sequential:
   """Builds the registered model with its variables created.
 
   Args:
@@ -40,10 +50,16 @@ def build(model_name: str, input_shape: Sequence[int], num_classes: int,
       so). The model and its variable order are the same either way.
     precision: a Keras dtype policy name for the layers ("mixed_bfloat16":
       bfloat16 compute, float32 variables).
+    options: the model's options, for a builder that declares `Options`
+      (it is then called with `options=`); None: its defaults.
   """
   from dist_loop import precision as precision_lib  # pylint: disable=g-import-not-at-top
   with precision_lib.policy_scope(precision):
-    layers = MODELS.get(model_name)(tuple(input_shape), num_classes)
+    builder = MODELS.get(model_name)
+    kwargs = {}
+    if hasattr(builder, "Options"):
+      kwargs["options"] = options if options is not None else builder.Options()
+    layers = builder(tuple(input_shape), num_classes, **kwargs)
   if layer_device is not None:
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
     x = keras.Input(tuple(input_shape))

@@ -91,8 +91,7 @@ class SyncTrainer(Trainer):
           f"{self.num_replicas(config, cluster)}; make every worker see "
           "--num_devices devices")
     with self.strategy.scope():
-      self.model = models.build(config.model, dataset.input_shape,
-                                dataset.num_classes, precision=config.precision)
+      self.model = models.build_for(config, dataset)
       self.optimizer = optim.make(config.optimizer, config.learning_rate,
                                   self.model.trainable_variables)
       self.loss_scale = precision_lib.make_loss_scale(config.precision)
