@@ -19,10 +19,10 @@ def make_config(**fields):
   return configure.make_config(**fields)
 
 
-def run(config, flags_text=None):
+def run(config, flags_text=None, cluster=None):
   """See `dist_loop.train.run`. Imported lazily: it pulls in TensorFlow."""
   from dist_loop import train  # pylint: disable=g-import-not-at-top
-  return train.run(config, flags_text)
+  return train.run(config, flags_text, cluster)
 
 
 __all__ = ["Config", "NonFiniteError", "UserError", "make_config", "run"]

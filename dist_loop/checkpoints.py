@@ -1,36 +1,75 @@
 """Checkpoints: one object graph for every mode, written by the chief.
 
-The checkpoint holds `step`, `model` and `optimizer` (see
-`Trainer.checkpoint_items`). Every mode builds the same `keras.Sequential`
-and one optimizer over all its variables, so a checkpoint written by one mode
-restores in another. `tf.train.CheckpointManager` writes each checkpoint under
-a new name and only then points `checkpoint` at it, so a crash mid-write
-leaves the previous checkpoint as the latest.
+The checkpoint holds `step`, `model` and `optimizer` (and `loss_scale` under
+float16; see `Trainer.checkpoint_items`). Every mode builds the same
+`keras.Sequential` and one optimizer over all its variables, so a checkpoint
+written by one mode restores in another. `tf.train.CheckpointManager` writes
+each checkpoint under a new name and only then points `checkpoint` at it, so
+a crash mid-write leaves the previous checkpoint as the latest.
 """
 
 import os
+from typing import Dict, Optional
 
 import tensorflow as tf
 from absl import logging
 
-from dist_loop import cluster, data, models
+from dist_loop import data, models
 from dist_loop import strategy as strategy_lib
 from dist_loop.errors import UserError
 
 CHECKPOINT_DIR = "checkpoints"
 
 
-def manager(items, workdir: str, max_to_keep: int, is_chief: bool = True):
+class Checkpointer:
+  """The run's checkpoints, as the controller uses them: save at a step,
+  restore the newest readable one.
+
+  Args:
+    items: what the checkpoint holds (`Trainer.checkpoint_items()`).
+    workdir: the run's directory; checkpoints go to WORKDIR/checkpoints.
+    max_to_keep: checkpoints kept on the chief.
+    is_chief: whether this process keeps its checkpoints.
+    task_index: this process's index in its job (names a non-chief's
+      temporary directory).
+  """
+
+  def __init__(self, items: Dict[str, object], workdir: str, max_to_keep: int,
+               is_chief: bool = True, task_index: int = 0):
+    self.manager = manager(items, workdir, max_to_keep, is_chief, task_index)
+
+  @property
+  def saved_step(self) -> Optional[int]:
+    """The step of the latest checkpoint, or None before the first."""
+    latest = self.manager.latest_checkpoint
+    return None if latest is None else int(latest.rsplit("-", 1)[-1])
+
+  def save(self, step: int) -> Optional[str]:
+    """Saves the state at `step`; returns the path, or None if the latest
+    checkpoint already is of `step` (the state is the same)."""
+    if self.saved_step == step:
+      return None
+    path = self.manager.save(checkpoint_number=step)
+    logging.info("step %d  saved checkpoint %s", step, path)
+    return path
+
+  def restore(self, scope) -> Optional[str]:
+    """See `restore_latest`."""
+    return restore_latest(self.manager, scope)
+
+
+def manager(items, workdir: str, max_to_keep: int, is_chief: bool = True,
+            task_index: int = 0):
   """A CheckpointManager over `items` in WORKDIR/checkpoints.
 
   Off the chief (multi-worker sync), a `WorkerTempManager`: every worker of a
   MultiWorkerMirroredStrategy must take part in a save, but only the chief's
-  copy is kept.
+  copy is kept. `task_index` names that worker's temporary directory.
   """
   checkpoint = tf.train.Checkpoint(**items)
   directory = os.path.join(workdir, CHECKPOINT_DIR)
   if not is_chief:
-    return WorkerTempManager(checkpoint, directory)
+    return WorkerTempManager(checkpoint, directory, task_index)
   return tf.train.CheckpointManager(checkpoint, directory,
                                     max_to_keep=max_to_keep)
 
@@ -45,11 +84,12 @@ class WorkerTempManager:
   on a filesystem every worker sees.
   """
 
-  def __init__(self, checkpoint: tf.train.Checkpoint, chief_directory: str):
+  def __init__(self, checkpoint: tf.train.Checkpoint, chief_directory: str,
+               task_index: int):
     self.checkpoint = checkpoint
     self._chief_directory = chief_directory
-    self._temp_directory = os.path.join(
-        chief_directory, f"workertemp_{cluster.current().task_index}")
+    self._temp_directory = os.path.join(chief_directory,
+                                        f"workertemp_{task_index}")
     self._latest = tf.train.latest_checkpoint(chief_directory)
 
   @property
@@ -123,14 +163,17 @@ def _candidates(mgr):
   return listed
 
 
-def load_model(config, path: str = None):
+def load_model(config, path: Optional[str] = None):
   """The run's model with the variables of its latest checkpoint (or `path`).
 
-  For evaluation, fine-tuning and tests: no strategy, no optimizer.
+  For evaluation, fine-tuning and tests: no strategy, no optimizer, float32.
+
+  Raises:
+    FileNotFoundError: the workdir holds no checkpoint.
   """
-  split = data.DATASETS.get(config.dataset)(
-      config.data_dir, config.seed, models.image_size_for(config.model))
-  model = models.build(config.model, split.input_shape, split.num_classes)
+  dataset = data.load(config)
+  model = models.build(config.model, dataset.input_shape,
+                       dataset.num_classes, options=config.model_options)
   path = path or tf.train.latest_checkpoint(
       os.path.join(config.workdir, CHECKPOINT_DIR))
   if path is None:

@@ -8,10 +8,11 @@ environment variable, the same on every host except for `task`:
 
 The same train command then runs unchanged on one process (no `TF_CONFIG`),
 on several local processes (`python -m tools.launch` writes one per task) and
-on several hosts. This module only reads it; the modes decide what it means:
-several workers without parameter servers make `--mode=sync` multi-worker
-(MultiWorkerMirroredStrategy), and a cluster with `ps` tasks is what
-`--mode=ps` needs. `TF_CONFIG` is read here and nowhere else in the library.
+on several hosts. This module only parses it into a `Cluster`; the modes
+decide what it means (several workers make `--mode=sync` multi-worker, `ps`
+tasks are what `--mode=ps` needs). `current()` reads the environment: only
+the entry points call it (`train.run`, the flag layer), once, and pass the
+`Cluster` down.
 """
 
 import dataclasses
@@ -112,7 +113,10 @@ def parse(tf_config: Optional[str]) -> Cluster:
 
 
 def current() -> Cluster:
-  """This process's cluster, from the `TF_CONFIG` environment variable."""
+  """This process's cluster, from the `TF_CONFIG` environment variable.
+
+  For the entry points only; everything below them takes a `Cluster`.
+  """
   return parse(os.environ.get("TF_CONFIG"))
 
 

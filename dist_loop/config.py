@@ -2,8 +2,9 @@
 
 `Config` holds the run-wide fields; the chosen mode's, model's and dataset's
 own settings travel in `mode_options`, `model_options` and `dataset_options`,
-instances of the options dataclasses they declare (`dist_loop/options.py`). This module imports nothing above it and reads no
-environment, so a `Config` means the same thing wherever it is built.
+instances of the options dataclasses they declare (`dist_loop/options.py`).
+This module imports nothing above it and reads no environment, so a
+`Config` means the same thing wherever it is built.
 `validate()` checks the rules that need neither TensorFlow nor a registry;
 `dist_loop.configure` adds the rules that do.
 """
@@ -80,7 +81,8 @@ class Config:
                  "checkpoint_every", "eval_batch_size", "max_checkpoints",
                  "grad_accum_steps"):
       if getattr(self, name) < 1:
-        raise UserError(f"--{name} must be at least 1, got {getattr(self, name)}")
+        raise UserError(
+            f"--{name} must be at least 1, got {getattr(self, name)}")
     for name in ("histogram_every", "intra_op_threads", "inter_op_threads"):
       if getattr(self, name) < 0:
         raise UserError(f"--{name} must be >= 0, got {getattr(self, name)}")

@@ -74,7 +74,8 @@ def make_config(**fields: Any) -> Config:
       if name in who:
         raise UserError(f"--{name} is an option of {' or '.join(who[name])}, "
                         "which this run does not use; drop it")
-    raise UserError(f"unknown setting {unknown[0]!r}")
+    raise UserError(f"unknown setting {unknown[0]!r}: not a field of Config, "
+                    "nor an option of the chosen mode, model or dataset")
   return Config(**{k: v for k, v in fields.items() if k in _RUN_FIELDS},
                 **chosen)
 

@@ -27,7 +27,8 @@ def resolve_device_type(device_type: str) -> str:
 
 
 def configure(num_devices: int, device_type: str = "auto",
-              intra_op_threads: int = 0, inter_op_threads: int = 0) -> List[str]:
+              intra_op_threads: int = 0,
+              inter_op_threads: int = 0) -> List[str]:
   """Makes `num_devices` devices of `device_type` available; returns names.
 
   Args:

@@ -1,55 +1,61 @@
-"""Evaluation on the held-out split, from the master variables.
+"""Evaluation on the held-out set, from the master variables.
 
 Evaluation runs on the first device, outside `strategy.run`: reading a
 mirrored variable in cross-replica context gives the first replica's copy,
 which equals the others after every synchronous step. Other modes hand in
-their master model the same way. The split is small, so one device is enough.
+their master model the same way. The set is small, so one device is enough.
+The loss and metrics are the task's (`dist_loop/tasks`), as in training,
+but without regularisation: they measure the fit to held-out data.
 """
 
-from typing import Dict
+from typing import Dict, Optional
 
 import keras
 import tensorflow as tf
 
+from dist_loop import step, tasks
 from dist_loop.data import Dataset, eval_dataset
+from dist_loop.tasks import Task
 
 
 class Evaluator:
-  """Mean loss and accuracy over the whole eval split."""
+  """The task's metrics, as means over every prediction of the eval set.
 
-  def __init__(self, model: keras.Model, split: Dataset, batch_size: int):
+  `task` defaults to the one the dataset poses, as the trainers' does.
+  """
+
+  def __init__(self, model: keras.Model, dataset: Dataset, batch_size: int,
+               task: Optional[Task] = None):
+    if task is None:
+      task = tasks.for_dataset(dataset)
     self._model = model
-    self._dataset = eval_dataset(split.eval_x, split.eval_y, batch_size)
-    self._num_examples = len(split.eval_y)
+    self._task = task
+    self._dataset = eval_dataset(dataset.eval_x, dataset.eval_y, batch_size)
+    self._predictions = len(dataset.eval_y) * task.predictions_per_example(
+        self._dataset.element_spec[1])
     self._run = tf.function(self._run_fn)
 
   def _run_fn(self):
-    loss_sum = tf.constant(0.0)
-    correct = tf.constant(0.0)
+    totals = {k: tf.constant(0.0) for k in self._task.metric_names}
     for x, y in self._dataset:
-      logits = tf.cast(self._model(x, training=False), tf.float32)
-      loss_sum += tf.reduce_sum(keras.losses.sparse_categorical_crossentropy(
-          y, logits, from_logits=True))
-      correct += tf.reduce_sum(tf.cast(
-          tf.equal(tf.argmax(logits, -1, output_type=tf.int32),
-                   tf.cast(y, tf.int32)), tf.float32))
-    return loss_sum, correct
+      sums = self._task.sums(self._model(x, training=False), y)
+      totals = {k: totals[k] + sums[k] for k in totals}
+    return totals
 
   def evaluate(self) -> Dict[str, float]:
-    loss_sum, correct = self._run()
-    n = float(self._num_examples)
-    return {"eval/loss": float(loss_sum) / n,
-            "eval/accuracy": float(correct) / n}
+    """`eval/<metric>` for each of the task's metrics."""
+    means = {k: float(v) / self._predictions for k, v in self._run().items()}
+    return {f"eval/{k}": v for k, v in self._task.report(means).items()}
 
 
-def probe_gradients(model: keras.Model, x, y):
-  """Full-batch gradient of the mean loss on (x, y) at the current weights.
+def probe_gradients(task: Task, model: keras.Model, x, y):
+  """Full-batch gradient of the training loss on (x, y) at the current
+  weights (regularisation included, as in a step).
 
   Used for gradient histograms: mode-independent, and it does not consume
   training input or touch the optimizer.
   """
-  with tf.GradientTape() as tape:
-    logits = model(x, training=False)
-    loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(
-        y, logits, from_logits=True))
-  return tape.gradient(loss, model.trainable_variables)
+  _, grads = step.gradients(task, model, x, y,
+                            examples_per_update=int(y.shape[0]),
+                            training=False)
+  return grads

@@ -19,7 +19,8 @@ def peak_memory_mb(device_names: Sequence[str]) -> Dict[str, float]:
   """Flat metrics: `memory/peak_rss_mb` and `memory/<device>_peak_mb`."""
   rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
   # Linux reports kilobytes, macOS bytes.
-  out = {"memory/peak_rss_mb": rss / (MB if sys.platform == "darwin" else 1024.0)}
+  unit = MB if sys.platform == "darwin" else 1024.0
+  out = {"memory/peak_rss_mb": rss / unit}
   for name in device_names:
     spec = tf.DeviceSpec.from_string(name)
     if spec.device_type == "CPU":

@@ -30,6 +30,7 @@ import tensorflow as tf
 from dist_loop import optim
 from dist_loop import strategy as strategy_lib
 from dist_loop.config import PRECISIONS  # noqa: F401  (re-exported)
+
 INITIAL_SCALE = 2.0 ** 15
 GROWTH_INTERVAL = 2000
 FACTOR = 2.0
@@ -72,27 +73,6 @@ def unscale_and_apply(optimizer, grads, variables,
   if loss_scale is not None:
     loss_scale.update(ok)
   return grads, ok
-
-
-def stale_overflow(finite, loss_finite, computed_at, current):
-  """The loss-scale rule of the asynchronous modes (async, ps), for one
-  gradient computed at scale `computed_at` while `current` is in force.
-
-  Without an all-reduce, each gradient comes at the scale its worker read.
-  Non-finite gradients of a finite loss are an overflow, to skip; only one
-  computed at the scale in force (or a smaller one) halves it, so W workers
-  that overflowed at one scale halve it once, not W times. At the floor
-  scale 1.0 nothing is left to unscale: the step is really non-finite.
-
-  Args: boolean and float32 scalar tensors.
-
-  Returns:
-    (skip, halve): skip the gradient as an overflow; halve the scale.
-  """
-  overflow = tf.logical_and(tf.logical_not(finite), loss_finite)
-  older = computed_at > current  # Already answered by a halving.
-  halve = overflow & tf.logical_not(older) & (current > 1.0)
-  return overflow & (older | halve), halve
 
 
 class DynamicLossScale(tf.Module):

@@ -56,17 +56,38 @@ def overflow(finite, loss_finite, computed_at, current):
 
 class Histogram:
   """Counts of tau over applied updates: bins 0..MAX_TRACKED (the last
-  one holds every larger tau)."""
+  one holds every larger tau).
+
+  Taus given one by one (`add`) keep an exact mean and max even past the
+  last bin; counts given by bin (`add_counts`) count each bin's tau.
+  """
 
   def __init__(self):
     self.counts = np.zeros(MAX_TRACKED + 1, np.int64)
+    # Taus that `add` put in the last bin: their sum beyond MAX_TRACKED, and
+    # the largest, so that mean and max stay exact.
+    self._beyond = 0
+    self._top = MAX_TRACKED
 
   def add(self, taus: Iterable[int]) -> None:
     for tau in taus:
-      self.counts[min(int(tau), MAX_TRACKED)] += 1
+      tau = int(tau)
+      if tau < 0:
+        raise ValueError(f"staleness must be >= 0, got {tau}")
+      self.counts[min(tau, MAX_TRACKED)] += 1
+      if tau > MAX_TRACKED:
+        self._beyond += tau - MAX_TRACKED
+        self._top = max(self._top, tau)
 
   def add_counts(self, counts: np.ndarray) -> None:
+    """Adds counts by bin (MAX_TRACKED + 1 of them)."""
     self.counts += np.asarray(counts, np.int64)
+
+  def merge(self, other: "Histogram") -> None:
+    """Adds another histogram, keeping its exact mean and max."""
+    self.counts += other.counts
+    self._beyond += other._beyond  # pylint: disable=protected-access
+    self._top = max(self._top, other._top)  # pylint: disable=protected-access
 
   @property
   def total(self) -> int:
@@ -76,14 +97,19 @@ class Histogram:
   def mean(self) -> Optional[float]:
     if not self.total:
       return None
-    return float((np.arange(len(self.counts)) * self.counts).sum()
-                 / self.total)
+    taus = (np.arange(len(self.counts)) * self.counts).sum() + self._beyond
+    return float(taus / self.total)
 
   @property
   def max(self) -> Optional[int]:
     if not self.total:
       return None
-    return int(np.nonzero(self.counts)[0].max())
+    top_bin = int(np.nonzero(self.counts)[0].max())
+    return self._top if top_bin == MAX_TRACKED else top_bin
+
+  def by_tau(self) -> Dict[int, int]:
+    """{tau: count} of the non-empty bins."""
+    return {t: int(c) for t, c in enumerate(self.counts) if c}
 
   def samples(self) -> np.ndarray:
     """One value per applied update, for a TensorBoard histogram."""
@@ -96,10 +122,11 @@ class Histogram:
             f"{prefix}/staleness_max": float(self.max or 0)}
 
   def summary(self, prefix: str) -> Dict[str, object]:
-    """summary.json entries: mean, max and counts by tau."""
+    """summary.json entries: mean, max and counts by tau (the last bin's
+    key counts every larger tau too)."""
     return {
         f"{prefix}_staleness_mean": self.mean,
         f"{prefix}_staleness_max": self.max,
-        f"{prefix}_staleness_counts": {str(t): int(c) for t, c in
-                                       enumerate(self.counts) if c},
+        f"{prefix}_staleness_counts": {str(t): c for t, c in
+                                       self.by_tau().items()},
     }

@@ -46,15 +46,26 @@ def shares(task: Task, logits, labels, *, examples_per_update: int,
   predictions = examples_per_update * task.predictions_per_example(labels)
   out = {k: sums[k] / predictions for k in task.metric_names}
   if regularization:
-    out["loss"] += tf.add_n(list(regularization)) / contributors
+    penalty = tf.cast(tf.add_n(list(regularization)), tf.float32)
+    out["loss"] += penalty / contributors
   return out
 
 
 def gradients(task: Task, model, x, y, *, examples_per_update: int,
               contributors: int = 1, scale: Optional[tf.Tensor] = None,
               training: bool = True):
-  """A share (see `shares`) and the gradients of its loss (times `scale`,
-  float16 loss scaling) with respect to `model.trainable_variables`."""
+  """A contributor's share (see `shares`) and the gradients of its loss.
+
+  Args:
+    task, examples_per_update, contributors: as in `shares`.
+    model: the model; its `losses` are the regularisation.
+    x, y: the contributor's part of the update's batch.
+    scale: float16 loss scaling: the gradients are of loss x `scale`.
+    training: the model's training mode (False to probe the gradients).
+
+  Returns:
+    (shares, gradients), a gradient per `model.trainable_variables`.
+  """
   with tf.GradientTape() as tape:
     logits = model(x, training=training)
     out = shares(task, logits, y, examples_per_update=examples_per_update,

@@ -19,7 +19,8 @@ _key_bases = itertools.count(1)
 
 
 class MirroredStrategy(tf.distribute.MirroredStrategy):
-  """`tf.distribute.MirroredStrategy` with collective keys unique per process."""
+  """`tf.distribute.MirroredStrategy`, its collective keys unique in the
+  process."""
 
   def __init__(self, devices=None, cross_device_ops=None):
     # Read by MirroredExtended while the parent __init__ builds it.

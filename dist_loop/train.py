@@ -4,6 +4,7 @@ Order matters here. Everything that can fail on bad input (flags, devices,
 data, model) happens before the workdir is touched, so an error at the door
 leaves an existing run exactly as it was. Then the workdir gets the resolved
 flags, the latest checkpoint is restored, and the controller takes over.
+The cluster (`TF_CONFIG`) is read once, here, and passed down.
 """
 
 import os
@@ -13,11 +14,11 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from dist_loop import checkpoints, configure, data, devices, models
+from dist_loop import actions, checkpoints, configure, data, devices, tasks
 from dist_loop import cluster as cluster_lib
 from dist_loop.config import Config
-from dist_loop.errors import UserError
 from dist_loop.controller import Controller
+from dist_loop.errors import UserError
 from dist_loop.evaluation import Evaluator
 from dist_loop.files import atomic_write_text
 from dist_loop.modes import MODES, build_trainer
@@ -27,12 +28,16 @@ FLAGS_FILE = "flags.txt"
 SUMMARY_FILE = "summary.json"
 
 
-def run(config: Config, flags_text: Optional[str] = None) -> Dict[str, object]:
+def run(config: Config, flags_text: Optional[str] = None,
+        cluster: Optional[cluster_lib.Cluster] = None) -> Dict[str, object]:
   """Trains as `config` says; resumes if the workdir has a checkpoint.
 
   Args:
     config: the run's configuration.
-    flags_text: the resolved flags in flagfile format, saved as flags.txt.
+    flags_text: the resolved flags in flagfile format, saved as flags.txt
+      (default: `config.to_flagfile()`).
+    cluster: this process's place in a cluster; default: read from
+      `TF_CONFIG`, here and only here.
 
   Returns:
     The contents of summary.json.
@@ -41,7 +46,8 @@ def run(config: Config, flags_text: Optional[str] = None) -> Dict[str, object]:
     UserError: bad input; nothing in the workdir was changed.
     NonFiniteError: the loss or gradients became non-finite.
   """
-  cluster = cluster_lib.current()  # Read once; passed down from here.
+  if cluster is None:
+    cluster = cluster_lib.current()
   config = configure.validate(config, cluster)
   _check_layout_unchanged(config)
   mode = MODES.get(config.mode)
@@ -52,11 +58,11 @@ def run(config: Config, flags_text: Optional[str] = None) -> Dict[str, object]:
   keras.utils.set_random_seed(config.seed)
   if config.deterministic:
     tf.config.experimental.enable_op_determinism()
-  split = data.load(config)
+  dataset = data.load(config)
   try:
-    trainer = build_trainer(config, device_names, split, cluster)
+    trainer = build_trainer(config, device_names, dataset, cluster)
     try:
-      return _train(config, trainer, split, flags_text)
+      return _train(config, trainer, dataset, cluster, flags_text)
     finally:
       trainer.close()
   except tf.errors.OpError as e:
@@ -66,24 +72,30 @@ def run(config: Config, flags_text: Optional[str] = None) -> Dict[str, object]:
     raise error from None
 
 
-def _train(config, trainer, split, flags_text):
+def _train(config, trainer, dataset, cluster, flags_text):
+  """Everything that writes to the workdir, in order."""
   workdir = config.workdir
   os.makedirs(workdir, exist_ok=True)
   if trainer.is_chief:
     atomic_write_text(os.path.join(workdir, FLAGS_FILE),
                       flags_text or config.to_flagfile())
-  manager = checkpoints.manager(trainer.checkpoint_items(), workdir,
-                                config.max_checkpoints, trainer.is_chief)
-  checkpoints.restore_latest(manager, trainer.scope())
+  checkpointer = checkpoints.Checkpointer(
+      trainer.checkpoint_items(), workdir, config.max_checkpoints,
+      trainer.is_chief, cluster.task_index)
+  checkpointer.restore(trainer.scope())
   summaries = Summaries(workdir, enabled=trainer.is_chief)
   summaries.hparams(_hparams(config))
   logging.info("mode=%s devices=%s model=%s dataset=%s (%d train / %d eval)",
                config.mode, ",".join(trainer.devices), config.model,
-               config.dataset, len(split.train_y), len(split.eval_y))
-  evaluator = Evaluator(trainer.model, split, config.eval_batch_size)
+               config.dataset, len(dataset.train_y), len(dataset.eval_y))
+  task = tasks.for_dataset(dataset)
+  evaluator = Evaluator(trainer.model, dataset, config.eval_batch_size, task)
   controller = Controller(
-      config, trainer, evaluator, summaries, manager,
-      os.path.join(workdir, SUMMARY_FILE) if trainer.is_chief else None)
+      config, trainer, checkpointer, summaries,
+      actions.standard(config, trainer, evaluator, checkpointer, summaries,
+                       task),
+      os.path.join(workdir, SUMMARY_FILE) if trainer.is_chief else None,
+      metric_names=task.metric_names)
   try:
     return controller.run()
   finally:
@@ -99,9 +111,9 @@ def _check_layout_unchanged(config: Config) -> None:
     changes = config.layout_changes(f.read())
   if changes:
     raise UserError(
-        f"{config.workdir} holds a run with other settings ({'; '.join(changes)}"
-        "). Use a new --workdir, restore the old values, or pass "
-        "--allow_config_change to resume anyway")
+        f"{config.workdir} holds a run with other settings "
+        f"({'; '.join(changes)}). Use a new --workdir, restore the old values, "
+        "or pass --allow_config_change to resume anyway")
 
 
 def _hparams(config: Config) -> Dict[str, object]:

@@ -4,6 +4,8 @@ r"""Trains a model with a hand-written distributed loop.
         --workdir=runs/default
 
 Rerunning the same command resumes from the workdir's latest checkpoint.
+`--helpfull` lists every flag, with each mode's, model's and dataset's own
+options under its name.
 """
 
 import sys
@@ -11,18 +13,20 @@ import sys
 from absl import app, flags
 
 import dist_loop
-from experiments import extensions  # pylint: disable=unused-import
+from dist_loop import cluster as cluster_lib
 from experiments import flags as run_flags
 
 FLAGS = flags.FLAGS
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+def main(argv) -> int:
+  """Runs the parsed flags; a `UserError` is one line and an exit code."""
   try:
+    if len(argv) > 1:
+      raise dist_loop.UserError(f"unexpected arguments: {' '.join(argv[1:])};"
+                                " every setting is a --flag")
     config = run_flags.to_config()
-    summary = dist_loop.run(config, flags_text=run_flags.to_flagfile())
+    summary = dist_loop.run(config, cluster=cluster_lib.current())
   except dist_loop.UserError as e:
     print(f"error: {e}", file=sys.stderr)
     return e.exit_code
@@ -36,5 +40,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  for name in run_flags.RUN_FLAGS:  # What --helpshort lists.
+    flags.declare_key_flag(name)
   flags.mark_flags_as_required(["workdir"])
   app.run(main)

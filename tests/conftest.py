@@ -4,6 +4,9 @@ TensorFlow fixes the device list when it starts, so it is set here, before
 any test touches TensorFlow; runs on fewer devices use the first N.
 """
 
+import contextlib
+import glob
+import io
 import os
 import subprocess
 import sys
@@ -38,6 +41,55 @@ def trained_variables(config):
 def max_diff(a, b):
   """Largest absolute difference between two lists of arrays."""
   return max(float(np.abs(x - y).max()) for x, y in zip(a, b))
+
+
+def read_events(logdir):
+  """What a run wrote to TensorBoard, read from its event files.
+
+  Returns:
+    {tag: {step: value}}: a scalar as a float; anything else (histogram,
+    image, the graph of a traced call, the run's hparams under
+    "_hparams_/session_start_info") as its `Summary.Value`.
+  """
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  out, plugins = {}, {}
+  for path in sorted(glob.glob(os.path.join(logdir, "events.out.tfevents.*"))):
+    for event in tf.compat.v1.train.summary_iterator(path):
+      for value in event.summary.value:
+        plugin = value.metadata.plugin_data.plugin_name
+        plugin = plugins.setdefault(value.tag, plugin)  # Named at first.
+        out.setdefault(value.tag, {})[event.step] = (
+            float(tf.make_ndarray(value.tensor)) if plugin == "scalars"
+            else value)
+  return out
+
+
+def run_main(*args):
+  """`python -m experiments.train ARGS`, in this process.
+
+  The real flag parsing (with its parse-time checks) and `main`; an absl
+  flag error is printed as absl's `app.run` prints it. Any other exception
+  propagates, as a traceback would.
+
+  Returns:
+    (exit code, stdout, stderr); TensorFlow's and absl's logs are not in
+    stderr.
+  """
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from absl.testing import flagsaver  # pylint: disable=g-import-not-at-top
+  from experiments import train as entry  # pylint: disable=g-import-not-at-top
+  out, err = io.StringIO(), io.StringIO()
+  with flagsaver.flagsaver(), contextlib.redirect_stdout(out), \
+      contextlib.redirect_stderr(err):
+    flags.FLAGS.unparse_flags()
+    try:
+      argv = flags.FLAGS(["train", *args])
+    except flags.Error as e:
+      print(f"FATAL Flags parsing error: {e}", file=sys.stderr)
+      code = 1
+    else:
+      code = entry.main(argv)
+  return code, out.getvalue(), err.getvalue()
 
 
 def run_train(*args, timeout=240):

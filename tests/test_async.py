@@ -2,6 +2,7 @@
 
 import json
 import os
+import queue
 import threading
 import time
 
@@ -10,11 +11,16 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from dist_loop import UserError, checkpoints, data, devices, models, train
+from dist_loop import UserError, checkpoints, configure, data, devices, models
+from dist_loop import train
+from dist_loop.cluster import Cluster
 from dist_loop.errors import Interrupted
 from dist_loop.data import train_dataset_fn
-from dist_loop.modes.asynchronous.worker import Push
-from dist_loop.modes.asynchronous.trainer import AsyncTrainer, WorkerFailed
+from dist_loop.evaluation import Evaluator
+from dist_loop.modes.asynchronous import threads
+from dist_loop.modes.asynchronous.session import Session
+from dist_loop.modes.asynchronous.trainer import AsyncTrainer
+from dist_loop.modes.asynchronous.threads import WorkerFailed
 
 
 def async_threads():
@@ -23,10 +29,36 @@ def async_threads():
 
 
 def build(config):
-  split = data.DATASETS.get(config.dataset)(None, config.seed, None)
+  config = configure.validate(config, Cluster())
+  split = data.load(config)
   names = devices.configure(config.num_devices, "cpu")
   keras.utils.set_random_seed(config.seed)
-  return AsyncTrainer(config, names, split), split
+  return AsyncTrainer(config, names, split, Cluster()), split
+
+
+def test_a_stop_ends_every_wait_within_a_poll():
+  crew = threads.Crew()
+  full = queue.Queue(maxsize=1)
+  full.put(0)
+  waits = [lambda: crew.get(queue.Queue()), lambda: crew.put(full, 1),
+           lambda: crew.wait(threading.Event())]
+  ended = []
+
+  def blocked(wait):
+    try:
+      wait()
+    except threads.Stopped:
+      ended.append(time.monotonic())
+
+  for i, wait in enumerate(waits):
+    crew.start(f"async-test-{i}", f"test {i}", blocked, wait)
+  time.sleep(3 * threads.POLL_SECONDS)
+  assert not ended  # Each is still waiting.
+  stopped_at = time.monotonic()
+  assert crew.close() == []
+  assert len(ended) == 3
+  assert max(ended) - stopped_at < 2.0  # A poll is 0.05 s; no hang.
+  crew.check()  # Stopping is not a failure.
 
 
 def test_one_worker_is_sequential_sgd(small_config):
@@ -54,7 +86,7 @@ def test_one_worker_is_sequential_sgd(small_config):
                      reference.trainable_variables))
       assert diff <= 1e-5, f"after train call {step}: {diff}"
     assert int(trainer.step.numpy()) == 8
-    assert dict(trainer.applier.staleness_counts) == {0: 8}
+    assert trainer.applier.staleness.by_tau() == {0: 8}
   finally:
     trainer.close()
   assert not async_threads()
@@ -71,7 +103,7 @@ def test_zero_staleness_bound_still_makes_progress(small_config):
   finally:
     trainer.close()
   assert int(trainer.step.numpy()) == 12
-  assert dict(trainer.applier.staleness_counts) == {0: 12}
+  assert trainer.applier.staleness.by_tau() == {0: 12}
 
 
 @pytest.mark.parametrize("where", ["worker", "applier"])
@@ -106,16 +138,16 @@ def test_a_failing_thread_stops_training_quickly(small_config, where):
 def test_ctrl_c_saves_a_checkpoint_and_stops_the_threads(small_config,
                                                          monkeypatch):
   config = small_config(mode="async", num_devices=2, train_steps=40)
-  wait = AsyncTrainer._wait_for_tally
+  run = Session.run
   calls = {"n": 0}
 
-  def interrupt_third_loop(self):
+  def interrupt_third_loop(self, budget):
     calls["n"] += 1
     if calls["n"] == 3:
       raise KeyboardInterrupt()
-    return wait(self)
+    return run(self, budget)
 
-  monkeypatch.setattr(AsyncTrainer, "_wait_for_tally", interrupt_third_loop)
+  monkeypatch.setattr(Session, "run", interrupt_third_loop)
   with pytest.raises(Interrupted) as info:
     train.run(config)
   assert not async_threads()
@@ -124,7 +156,7 @@ def test_ctrl_c_saves_a_checkpoint_and_stops_the_threads(small_config,
   assert saved.endswith(f"-{info.value.step}")
 
 
-def test_run_logs_staleness_and_resumes_in_sync_mode(small_config, tmp_path):
+def test_run_logs_staleness_and_resumes_in_sync_mode(small_config):
   config = small_config(mode="async", num_devices=4, async_workers=4,
                         train_steps=20, max_staleness=2,
                         staleness_lr="inverse", async_compensation="dc",
@@ -134,8 +166,10 @@ def test_run_logs_staleness_and_resumes_in_sync_mode(small_config, tmp_path):
   assert summary["final_step"] == 20
   assert summary["async_applied"] == 20
   assert summary["async_workers"] == 4
+  assert summary["async_skipped_pushes"] == 0
   assert summary["async_staleness_max"] <= 2
   assert sum(summary["async_staleness_counts"].values()) == 20
+  assert "async_updates_per_sec" not in summary
   with open(os.path.join(config.workdir, "summary.json")) as f:
     assert json.load(f)["async_dropped"] == summary["async_dropped"]
 
@@ -145,15 +179,25 @@ def test_run_logs_staleness_and_resumes_in_sync_mode(small_config, tmp_path):
         os.path.join(config.workdir, "tb", name)):
       tags.update(v.tag for v in event.summary.value)
   for tag in ("async/staleness", "async/staleness_mean", "async/dropped",
-              "async/updates_per_sec", "async/worker3_steps_per_sec",
+              "async/skipped_pushes", "async/worker3_steps_per_sec",
               "train/loss", "eval/accuracy"):
     assert tag in tags
+  assert not tags & {"async/updates_per_sec", "async/skipped"}
 
   # Checkpoints are interchangeable: sync resumes the async run.
-  sync = config.replace(mode="sync", num_devices=2, straggler="1:2",
-                        train_steps=25, allow_config_change=True)
-  assert train.run(sync)["final_step"] == 25
-  assert checkpoints.load_model(sync) is not None
+  sync = small_config(mode="sync", num_devices=2, straggler="1:2",
+                      train_steps=25, allow_config_change=True)
+  resumed = train.run(sync)
+  assert resumed["final_step"] == 25
+  # The checkpoint holds the master that the run evaluated last.
+  dataset = data.load(sync)
+  loaded = Evaluator(checkpoints.load_model(sync), dataset, 256).evaluate()
+  assert loaded["eval/loss"] == pytest.approx(resumed["eval_loss"], abs=1e-6)
+  at_20 = Evaluator(checkpoints.load_model(
+      config, os.path.join(config.workdir, "checkpoints", "ckpt-20")),
+                    dataset, 256).evaluate()
+  assert at_20["eval/loss"] == pytest.approx(summary["eval_loss"], abs=1e-6)
+  assert at_20["eval/loss"] != loaded["eval/loss"]  # Sync trained on.
 
 
 @pytest.mark.parametrize("overrides,message", [
@@ -161,98 +205,29 @@ def test_run_logs_staleness_and_resumes_in_sync_mode(small_config, tmp_path):
     (dict(straggler="1:0.5"), "must be WORKER:FACTOR"),
     (dict(straggler="4:3"), "use --straggler=3:3"),
     (dict(straggler="2:3", async_workers=2), "use --straggler=1:3"),
-    (dict(max_staleness=-2), "--max_staleness must be >= 0, or -1"),
-    (dict(staleness_lr="no_such_rule"), "registered staleness learning-rate"),
-    (dict(async_compensation="x"), "registered delay compensations: dc"),
+    (dict(max_staleness=-2), "--max_staleness must be >= -1"),
+    (dict(staleness_lr="no_such_rule"),
+     "unknown --staleness_lr='no_such_rule'; choose one of: .*inverse"),
+    (dict(async_compensation="x"), "choose one of: dc, none"),
     (dict(async_workers=-1), "--async_workers must be >= 0"),
+    (dict(nonfinite="skip"), "use --nonfinite=rollback or raise"),
+    (dict(grad_accum_steps=2), "--grad_accum_steps is not supported"),
 ])
 def test_bad_async_flags_fail_at_the_door(small_config, overrides, message):
   with pytest.raises(UserError, match=message):
-    small_config(mode="async", num_devices=4, **overrides).validate()
+    configure.validate(small_config(mode="async", num_devices=4, **overrides),
+                       Cluster())
 
 
 def test_straggler_is_checked_in_sync_mode_too(small_config):
-  small_config(mode="sync", num_devices=2, straggler="1:10").validate()
+  configure.validate(small_config(mode="sync", num_devices=2,
+                                  straggler="1:10"), Cluster())
   with pytest.raises(UserError, match="2 replicas .* use --straggler=1:10"):
-    small_config(mode="sync", num_devices=2, straggler="2:10").validate()
+    configure.validate(small_config(mode="sync", num_devices=2,
+                                    straggler="2:10"), Cluster())
 
 
 # -- float16 loss scaling --
-
-
-def fp16_trainer(small_config, **overrides):
-  return build(small_config(mode="async", precision="mixed_float16",
-                            optimizer="adam", learning_rate=0.01,
-                            **overrides))[0]
-
-
-def fresh_push(trainer, worker):
-  """Worker `worker` reads the master (and its scale) and computes a push."""
-  version, read, scale = trainer.applier.read()
-  x, y = trainer.workers[worker].next_batch()
-  return trainer.workers[worker].compute(version, read, x, y, scale)
-
-
-def test_fp16_workers_unscale_their_gradients(small_config):
-  trainer = fp16_trainer(small_config)
-  worker = trainer.workers[0]
-  assert worker.model.layers[1].compute_dtype == "float16"
-  version, read, scale = trainer.applier.read()
-  assert scale == 2.0 ** 15
-  x, y = worker.next_batch()
-  scaled = worker.compute(version, read, x, y, scale)
-  plain = worker.compute(version, read, x, y, 1.0)
-  assert scaled.loss_scale == scale and plain.loss_scale == 1.0
-  for a, b in zip(scaled.grads, plain.grads):  # True gradients, both.
-    assert a.dtype == tf.float32
-    np.testing.assert_allclose(a, b, rtol=0.05, atol=1e-3)
-
-
-def test_fp16_overflow_is_skipped_and_halves_the_scale_once(small_config):
-  trainer = fp16_trainer(small_config, num_devices=2, async_workers=2)
-  applier = trainer.applier
-  variables = trainer.model.trainable_variables
-  # Inject an overflow: scaled by 2**40, float16 gradients become inf.
-  trainer.loss_scale.scale.assign(2.0 ** 40)
-  first, second = fresh_push(trainer, 0), fresh_push(trainer, 1)
-  before = [np.asarray(v) for v in variables]
-
-  outcome = applier.offer(first)
-  assert (outcome.applied, outcome.skipped, outcome.finite) == (
-      False, True, True)
-  assert applier.current_loss_scale == 2.0 ** 39
-  outcome = applier.offer(second)  # Overflowed at 2**40 too: no new halving.
-  assert outcome.skipped and applier.current_loss_scale == 2.0 ** 39
-  for b, v in zip(before, variables):
-    np.testing.assert_array_equal(b, np.asarray(v))
-  assert applier.version == int(trainer.step.numpy()) == 0
-  assert int(trainer.optimizer.iterations.numpy()) == 0
-  assert (applier.applied, applier.skipped, applier.dropped) == (0, 2, 0)
-
-  trainer.loss_scale.scale.assign(2.0 ** 15)
-  outcome = applier.offer(fresh_push(trainer, 0))
-  assert outcome.applied and not outcome.skipped
-  assert max(float(np.abs(b - np.asarray(v)).max())
-             for b, v in zip(before, variables)) > 0
-  assert applier.version == int(trainer.step.numpy()) == 1
-  assert int(trainer.optimizer.iterations.numpy()) == 1
-  assert int(trainer.loss_scale.good_steps.numpy()) == 1
-
-
-def test_fp16_nonfinite_at_the_floor_scale_or_loss_is_an_error(small_config):
-  trainer = fp16_trainer(small_config)
-  applier = trainer.applier
-  version, read, _ = applier.read()
-  infs = [tf.fill(v.shape, np.inf) for v in trainer.model.trainable_variables]
-  # A non-finite loss is never an overflow, whatever the scale.
-  outcome = applier.offer(Push(0, version, infs, read, np.inf, 0.0, 2.0 ** 15))
-  assert not outcome.finite and not outcome.skipped
-  assert applier.current_loss_scale == 2.0 ** 15
-  trainer.loss_scale.scale.assign(1.0)  # The floor: nothing left to unscale.
-  outcome = applier.offer(Push(0, version, infs, read, 1.0, 0.0, 1.0))
-  assert not outcome.finite and not outcome.skipped
-  assert applier.current_loss_scale == 1.0 and applier.skipped == 0
-  assert applier.version == 0
 
 
 def test_fp16_trains_and_resumes_its_loss_scale(small_config):
@@ -268,7 +243,7 @@ def test_fp16_trains_and_resumes_its_loss_scale(small_config):
   summary = train.run(config)
   assert not async_threads()
   assert summary["final_step"] == 4 and summary["async_applied"] == 4
-  assert summary["async_skipped"] == summary["skipped_steps"] == 0
+  assert summary["async_skipped_pushes"] == summary["skipped_steps"] == 0
   saved = tf.train.load_checkpoint(os.path.join(config.workdir, "checkpoints"))
   assert saved.get_tensor("loss_scale/scale/.ATTRIBUTES/VARIABLE_VALUE") == (
       2.0 ** 7)

@@ -1,15 +1,20 @@
-"""The benchmark harness runs at tiny sizes and reports sane numbers.
+"""The benchmark harness: its arithmetic, and a quick run's JSON.
 
-Speed is not asserted here (that is what tools/bench is for); the test only
-checks that every in-process suite runs end to end and fills its table.
+Speed is not asserted (that is what tools/bench is for): the quick run
+checks that the in-process suites run end to end on today's APIs and that
+every number they derive agrees with the numbers it is derived from.
 """
 
 import json
+import math
+import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO
-from tools.benchmarks import mfu
+from tools.benchmarks import common, data_parallel, mfu
 
 
 def test_mfu_flop_count_matches_hand_count():
@@ -19,7 +24,40 @@ def test_mfu_flop_count_matches_hand_count():
   assert mfu.train_flops_per_step(5, [2, 3, 4]) == 2 * first + 3 * second
 
 
-def test_quick_suites_run_and_write_json(tmp_path):
+def test_variants_are_timed_interleaved_and_reported_by_median():
+  calls = []
+  clock = iter(range(100))
+  # Each call takes one tick, except b's second, which takes three.
+  ticks = {"a": [0, 0, 0], "b": [0, 2, 0]}
+
+  def variant(name):
+    def fn():
+      calls.append(name)
+      for _ in range(ticks[name].pop(0)):
+        next(clock)
+    return fn
+
+  medians = common.interleaved_medians(
+      {"a": variant("a"), "b": variant("b")}, rounds=3,
+      clock=lambda: next(clock))
+  assert calls == ["a", "b", "a", "b", "a", "b"]
+  assert medians == {"a": 1, "b": 1}
+
+
+def test_markdown_table_formats_cells():
+  table = common.markdown_table(
+      [{"n": 1, "rate": 12345.6, "ratio": 0.123456, "note": None}],
+      ["n", "rate", "ratio", "note"])
+  assert table.splitlines() == ["| n | rate | ratio | note |",
+                                "| --- | --- | --- | --- |",
+                                "| 1 | 12,346 | 0.123 |  |"]
+
+
+def _positive(value):
+  return isinstance(value, float) and math.isfinite(value) and value > 0
+
+
+def test_quick_suites_write_consistent_json(tmp_path):
   # In a process of its own, as users run it: the suites leave Keras fit's
   # multi-device iterators behind, and their destruction, whenever the
   # garbage collector gets to it, stalls whatever test runs next.
@@ -31,11 +69,36 @@ def test_quick_suites_run_and_write_json(tmp_path):
   assert result.returncode == 0, result.stderr[-3000:]
   assert f"wrote {out}" in result.stdout
   results = json.loads(out.read_text())
-  suites = results["suites"]
-  assert [r["devices"] for r in suites["overhead"]["rows"]] == [1, 2]
-  for row in suites["overhead"]["rows"]:
-    assert row["dist_loop ex/s"] > 0 and row["keras_fit ex/s"] > 0
-  assert 0 < suites["mfu"]["rows"][0]["MFU"]
-  assert len(suites["data_parallel"]["rows"]) == 7
-  assert suites["mfu"]["table"].startswith("|")
   assert results["quick"] is True
+  assert results["machine"]["cpu_count"] == os.cpu_count()
+  suites = results["suites"]
+  assert sorted(suites) == ["data_parallel", "mfu", "overhead"]
+  for name, suite in suites.items():
+    assert _positive(suite["seconds"]), name
+    # A header, a rule, and one line per row; each printed under its name.
+    assert len(suite["table"].splitlines()) == len(suite["rows"]) + 2, name
+    assert f"## {name} (" in result.stdout
+
+  overhead = suites["overhead"]["rows"]
+  assert [(r["model"], r["devices"], r["fit steps_per_execution"])
+          for r in overhead] == [("mlp", 1, 20), ("mlp", 2, 1)]
+  for r in overhead:
+    assert all(_positive(r[k]) for k in
+               ("dist_loop ex/s", "keras_fit ex/s", "bare ex/s"))
+    assert r["vs fit"] == pytest.approx(r["dist_loop ex/s"]
+                                        / r["keras_fit ex/s"])
+    assert r["vs bare"] == pytest.approx(r["dist_loop ex/s"] / r["bare ex/s"])
+
+  (row,) = suites["mfu"]["rows"]
+  assert row["model"] == "4x2048 MLP, batch 32, SGD"
+  assert _positive(row["train GFLOP/s"]) and _positive(
+      row["matmul peak GFLOP/s"])
+  assert row["MFU"] == pytest.approx(row["train GFLOP/s"]
+                                     / row["matmul peak GFLOP/s"])
+
+  rows = suites["data_parallel"]["rows"]
+  assert [(r["devices"], r["bytes_per_pack"], r["compression"])
+          for r in rows] == list(data_parallel.QUICK_VARIANTS)
+  for r in rows:
+    assert _positive(r["step ms"])
+    assert r["vs 1 device"] == pytest.approx(r["step ms"] / rows[0]["step ms"])

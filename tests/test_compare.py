@@ -16,8 +16,14 @@ def test_compare_two_runs(small_config, tmp_path):
   assert [p[1] for p in runs[0]["curves"]["train/loss"]] == [5, 10]
   assert [p[1] for p in runs[1]["curves"]["eval/accuracy"]] == [10]
   text = compare.table(runs)
-  assert "| one_device | sync | 1 | 10 |" in text
-  assert "| two_devices | sync | 2 | 10 |" in text
+  header, _, *rows = text.splitlines()
+  columns = [c.strip() for c in header.strip("|").split("|")]
+  assert columns[:10] == ["run", *compare.BASE_COLUMNS]
+  assert rows[0].startswith("| one_device | sync | 1 | 10 |")
+  assert rows[1].startswith("| two_devices | sync | 2 | 10 |")
+  for row in rows:  # Every run-wide column is filled in.
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert all(cells[:10]), row
   png = tmp_path / "compare.png"
   compare.plot(runs, str(png))
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

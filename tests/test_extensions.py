@@ -1,22 +1,28 @@
 """The worked examples of experiments/extensions: each plugs in by
 registration alone, and behaves as its docstring says."""
 
+import collections
 
-import experiments.extensions  # pylint: disable=unused-import
+import pytest
+from absl import flags
+from absl.testing import flagsaver
+
 from conftest import max_diff, trained_variables
-from dist_loop import train
-from dist_loop.modes.asynchronous import policies
+from dist_loop import UserError, make_config, train
 from dist_loop.models import MODELS
+from dist_loop.modes import MODES
+from dist_loop.modes.asynchronous import policies
 from dist_loop.modes.pipeline import schedule as schedule_lib
+from experiments import flags as run_flags
 from experiments.extensions import eager_1f1b, exp_staleness, residual_cnn
-
-
+from experiments.extensions import single_device
 
 
 def test_each_extension_is_registered_under_its_flag_value():
   assert MODELS.get("residual_cnn") is residual_cnn.residual_cnn
   assert policies.STALENESS_LR.get("exp") is exp_staleness.exponential
   assert schedule_lib.SCHEDULES.get("eager_1f1b") is eager_1f1b.eager_1f1b
+  assert MODES.get("single_device") is single_device.SingleDeviceTrainer
 
 
 def test_exponential_staleness_halves_per_version():
@@ -53,7 +59,8 @@ def test_residual_cnn_in_four_stages_with_eager_1f1b_equals_sync(
   assert max_diff(sync, start) > 1e-3
 
 
-def test_async_applies_the_exponential_policy(small_config, monkeypatch):
+def test_async_consults_the_exponential_policy_once_per_applied_update(
+    small_config, monkeypatch):
   taus = []
 
   def spy(tau):
@@ -65,5 +72,67 @@ def test_async_applies_the_exponential_policy(small_config, monkeypatch):
                                    async_workers=2, staleness_lr="exp",
                                    max_staleness=4, train_steps=20))
   assert summary["final_step"] == 20
-  # Consulted for every applied update, with the staleness it had.
-  assert len(taus) >= 20 and all(0 <= t <= 4 for t in taus[:20])
+  # Every applied update asked the policy, with the staleness it was
+  # applied at (calls come in order; a push still in flight at the end may
+  # ask after the summary was written).
+  applied = summary["async_applied"]
+  assert applied >= 20 and len(taus) >= applied
+  counts = collections.Counter(taus[:applied])
+  assert {str(t): c for t, c in counts.items()} == summary[
+      "async_staleness_counts"]
+
+
+# -- single_device: a mode with its own flag --
+
+def _parse(*argv):
+  """The entry point's real flag parsing, in this process.
+
+  The entry point imports the extensions before it defines the flags
+  (tests/test_entry_point.py runs single_device.flags through it); here
+  another test may have imported the flags first, so the extensions' flags
+  are defined now, as `to_config` would.
+  """
+  run_flags.define_component_flags()
+  flags.FLAGS(["train", "--workdir=/tmp/unused", *argv])
+  return run_flags.to_config()
+
+
+def test_single_device_flag_is_accepted_for_its_mode_only():
+  with flagsaver.flagsaver():
+    config = _parse("--mode=single_device", "--jit_compile")
+    assert config.mode_options == single_device.SingleDeviceOptions(
+        jit_compile=True)
+    assert "--jit_compile\n" in run_flags.to_flagfile()
+  with flagsaver.flagsaver():
+    assert _parse("--mode=single_device").mode_options.jit_compile is False
+  with flagsaver.flagsaver():
+    with pytest.raises(flags.IllegalFlagValueError,
+                       match="--jit_compile is an option of "
+                       "--mode=single_device, which this run does not use; "
+                       "drop it"):
+      _parse("--mode=sync", "--jit_compile")
+  with pytest.raises(UserError, match="--jit_compile is an option of "):
+    make_config(workdir="w", mode="sync", jit_compile=True)
+
+
+def test_single_device_refuses_several_devices():
+  with flagsaver.flagsaver():
+    with pytest.raises(flags.IllegalFlagValueError,
+                       match="use --num_devices=1, or --mode=sync"):
+      _parse("--mode=single_device", "--num_devices=2")
+
+
+def test_single_device_equals_sync_on_one_device(small_config, tmp_path):
+  common = dict(optimizer="adam", learning_rate=0.01, train_steps=4,
+                steps_per_loop=2, log_every=2)
+  sync = trained_variables(small_config(workdir=str(tmp_path / "sync"),
+                                        **common))
+  for jit in (False, True):
+    single = trained_variables(small_config(
+        workdir=str(tmp_path / f"single_{jit}"), mode="single_device",
+        jit_compile=jit, **common))
+    assert max_diff(sync, single) <= 1e-5, jit
+  start = trained_variables(small_config(
+      workdir=str(tmp_path / "start"), mode="single_device",
+      **{**common, "train_steps": 1}))
+  assert max_diff(sync, start) > 1e-3

@@ -13,7 +13,7 @@ import time
 
 from conftest import REPO, run_launch
 
-from tools import launch
+from tools import launch, local_cluster
 
 # Prints its task, then: worker 1 fails with exit code 3 once the others
 # have printed theirs (else a slow start could lose their line), the others
@@ -60,15 +60,17 @@ def test_ports_are_drawn_outside_the_ephemeral_range(tmp_path, monkeypatch):
   # and the task's bind only if it is in the kernel's ephemeral range.
   ranges = tmp_path / "ip_local_port_range"
   ranges.write_text("40000\t50000\n")
-  monkeypatch.setattr(launch, "_EPHEMERAL_RANGE_FILE", str(ranges))
+  monkeypatch.setattr(local_cluster, "_EPHEMERAL_RANGE_FILE", str(ranges))
   ports = launch.free_ports(6)
   assert len(set(ports)) == 6
-  assert all(launch._LOWEST_PORT <= p < 40000 or p > 50000 for p in ports), ports  # pylint: disable=protected-access
+  assert all(local_cluster._LOWEST_PORT <= p < 40000 or p > 50000  # pylint: disable=protected-access
+             for p in ports), ports
   # A range that starts low: the ports above it.
   ranges.write_text("1024 60000\n")
   assert all(p > 60000 for p in launch.free_ports(4))
   # Without the file (not Linux), the kernel picks.
-  monkeypatch.setattr(launch, "_EPHEMERAL_RANGE_FILE", str(tmp_path / "no"))
+  monkeypatch.setattr(local_cluster, "_EPHEMERAL_RANGE_FILE",
+                      str(tmp_path / "no"))
   assert len(set(launch.free_ports(3))) == 3
 
 

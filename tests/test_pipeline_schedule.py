@@ -117,3 +117,19 @@ def test_timeline_draws_forwards_and_backwards():
   measured = timeline.bars_from_timestamps(sl.make("1f1b", 2, 4), starts,
                                            ends)
   assert sorted(measured, key=str) == sorted(bars, key=str)
+
+
+def test_choose_takes_the_declared_split_only_for_auto():
+  from dist_loop import models  # pylint: disable=g-import-not-at-top
+  layers = models.build("mlp", (10,), 10).layers  # flatten, dense_1, logits
+  stages, how = partition.choose("auto", layers, 2, "", (1,), (10,), 4)
+  assert how == "the model's own split"
+  assert [s.layer_names for s in stages] == [("flatten",),
+                                             ("dense_1", "logits")]
+  # dense_1 has 1408 parameters, logits 1290: balanced, they part.
+  stages, how = partition.choose("params", layers, 2, "", (1,), (10,), 4)
+  assert how == "params" and [s.end for s in stages] == [2, 3]
+  stages, how = partition.choose("explicit", layers, 3, "1,2", None, (10,), 4)
+  assert [s.params for s in stages] == [0, 1408, 1290]
+  with pytest.raises(UserError, match="gives 2 stages"):
+    partition.choose("explicit", layers, 3, "1", None, (10,), 4)

@@ -1,23 +1,44 @@
-"""The synchronous step: one compressed all-reduce, no retracing, resume,
-non-finite detection, convergence."""
+"""The synchronous step: one all-reduce in the wire dtype, no retracing,
+metrics, non-finite detection, resume."""
 
 import json
 import os
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import checkpoint_variables
-from dist_loop import train
+from conftest import checkpoint_variables, max_diff
+from dist_loop import configure, data, devices, train
+from dist_loop.cluster import Cluster
 from dist_loop.data.base import DATASETS, Dataset
 from dist_loop.errors import NonFiniteError
-from dist_loop.modes import sync
+from dist_loop.modes import build_trainer
 
+
+def make_trainer(config):
+  """The config's trainer, built in this process as `train.run` builds it,
+  without the controller (no evaluation, checkpoints or summaries)."""
+  config = configure.validate(config, Cluster())
+  keras.utils.set_random_seed(config.seed)
+  return build_trainer(config, devices.configure(config.num_devices, "cpu"),
+                       data.load(config), Cluster())
+
+
+def variables(trainer):
+  return [np.asarray(v) for v in trainer.model.trainable_variables]
+
+
+def replica_copies(trainer):
+  """Every replica's copy of every trainable variable."""
+  return [[t.numpy() for t in
+           trainer.strategy.experimental_local_results(v.value)]
+          for v in trainer.model.trainable_variables]
 
 
 def _spy_all_reduce(monkeypatch):
-  """Records the dtypes of every tensor that reaches ReplicaContext.all_reduce."""
+  """Records the dtypes of what reaches `ReplicaContext.all_reduce`."""
   seen = []
   original = tf.distribute.ReplicaContext.all_reduce
 
@@ -29,71 +50,38 @@ def _spy_all_reduce(monkeypatch):
   return seen
 
 
-def test_bf16_compression_reaches_the_reduce_and_still_converges(
+def test_one_all_reduce_carries_every_gradient_in_the_wire_dtype(
     small_config, monkeypatch):
   seen = _spy_all_reduce(monkeypatch)
-  cfg = small_config(dataset="digits", model="mlp", num_devices=2,
-                     optimizer="adam", learning_rate=0.01, train_steps=200,
-                     global_batch_size=64, steps_per_loop=50, log_every=100,
-                     eval_every=200, checkpoint_every=200,
-                     allreduce_compression="bf16",
-                     allreduce_bytes_per_pack=4096)
-  summary = train.run(cfg)
-  # One all-reduce call per traced replica step (2 replicas trace it), and
-  # every gradient in it is bf16 on the wire.
-  assert len(seen) == 2
-  assert all(d == tf.bfloat16 for call in seen for d in call)
-  assert len(seen[0]) == 4  # kernel+bias of two Dense layers, in one call.
-  assert summary["eval_accuracy"] > 0.9
+  trained = {}
+  for compression, wire in (("none", tf.float32), ("bf16", tf.bfloat16)):
+    seen.clear()
+    trainer = make_trainer(small_config(
+        num_devices=2, allreduce_compression=compression,
+        allreduce_bytes_per_pack=4096))
+    trainer.train(5)
+    # One call per traced replica step (2 replicas trace it), holding the
+    # kernel and bias of both Dense layers.
+    assert [len(call) for call in seen] == [4, 4], compression
+    assert all(d == wire for call in seen for d in call), compression
+    trained[compression] = variables(trainer)
+    trainer.close()
+  # bf16 rounds what is summed: a small difference, but a difference.
+  assert 0 < max_diff(trained["none"], trained["bf16"]) < 1e-2
 
 
-def test_without_compression_the_reduce_sees_float32(small_config,
-                                                     monkeypatch):
-  seen = _spy_all_reduce(monkeypatch)
-  train.run(small_config(num_devices=2, train_steps=5))
-  assert seen and all(d == tf.float32 for call in seen for d in call)
-
-
-def test_step_function_is_traced_once_per_run(small_config, monkeypatch):
-  counts = []
-  original = sync.SyncTrainer.close
-
-  def record(self):
-    counts.append(self.trace_count)
-    original(self)
-
-  monkeypatch.setattr(sync.SyncTrainer, "close", record)
-  # Loops of 5, 3 (to the log boundary at 8) and 2 steps: different lengths,
-  # still one trace.
-  train.run(small_config(num_devices=2, train_steps=13, steps_per_loop=5,
-                         log_every=8, eval_every=13, checkpoint_every=13))
-  assert counts == [1]
-
-
-def test_resume_equals_uninterrupted(small_config, tmp_path):
-  common = dict(num_devices=2, optimizer="adam", learning_rate=0.01,
-                checkpoint_every=100, eval_every=100, log_every=3,
-                steps_per_loop=3)
-  whole = small_config(workdir=str(tmp_path / "whole"), train_steps=12,
-                       **common)
-  train.run(whole)
-  parts = small_config(workdir=str(tmp_path / "parts"), train_steps=6,
-                       **common)
-  train.run(parts)  # Saves a checkpoint at its last step, 6.
-  summary = train.run(parts.replace(train_steps=12))
-  assert summary["final_step"] == 12
-  a, b = checkpoint_variables(whole), checkpoint_variables(parts.replace(train_steps=12))
-  assert max(float(np.abs(x - y).max()) for x, y in zip(a, b)) <= 1e-6
-
-
-def test_rerun_of_a_finished_run_trains_nothing(small_config):
-  cfg = small_config(train_steps=5)
-  train.run(cfg)
-  before = checkpoint_variables(cfg)
-  summary = train.run(cfg)
-  assert summary["final_step"] == 5
-  after = checkpoint_variables(cfg)
-  assert all(np.array_equal(x, y) for x, y in zip(before, after))
+def test_loops_of_any_length_share_one_trace_and_report_the_metrics(
+    small_config):
+  trainer = make_trainer(small_config(num_devices=2))
+  for n in (5, 3, 2):
+    metrics = trainer.train(n)
+  assert trainer.trace_count == 1
+  assert int(trainer.step.numpy()) == 10
+  assert set(metrics) == {"train/loss", "train/accuracy", "train/grad_norm",
+                          "train/skipped_steps"}
+  assert metrics["train/loss"] > 0 and metrics["train/grad_norm"] > 0
+  assert 0 <= metrics["train/accuracy"] <= 1
+  trainer.close()
 
 
 @DATASETS.register("test_nan")
@@ -104,23 +92,64 @@ def _nan_dataset(data_dir, seed, image_size=None):
   return Dataset(x, y, x[:8], y[:8], 10)
 
 
-def test_non_finite_loss_stops_and_names_the_step(small_config):
-  cfg = small_config(dataset="test_nan", num_devices=2, train_steps=10)
+def test_a_non_finite_step_stops_the_loop_and_is_not_applied(small_config):
+  trainer = make_trainer(small_config(dataset="test_nan", num_devices=2,
+                                      optimizer="adam"))
+  before = replica_copies(trainer)
   with pytest.raises(NonFiniteError, match="at step 1"):
-    train.run(cfg)
-  # No checkpoint with NaNs was written, and the bad update was not applied.
-  assert not os.path.exists(os.path.join(cfg.workdir, "checkpoints",
-                                         "checkpoint"))
+    trainer.train(5)
+  assert int(trainer.step.numpy()) == 1  # Stopped at the bad step.
+  # Its NaN gradients reached no replica's variables, slots or counter.
+  for b, a in zip(before, replica_copies(trainer)):
+    for rb, ra in zip(b, a):
+      np.testing.assert_array_equal(rb, ra)
+  assert int(trainer.optimizer.iterations.numpy()) == 0
+  assert all(not np.any(s) for s in trainer.optimizer.variables
+             if "momentum" in s.path or "velocity" in s.path)
+  trainer.close()
 
 
-def test_summary_json_and_flags(small_config):
-  cfg = small_config(train_steps=10)
-  train.run(cfg, flags_text="--train_steps=10\n")
-  with open(os.path.join(cfg.workdir, "summary.json")) as f:
-    summary = json.load(f)
+@pytest.fixture(name="resumed", scope="module")
+def _resumed(tmp_path_factory):
+  """A run to step 6, resumed to 12 with the flags text the entry point
+  gives: (config, summary.json, flags.txt) as the resumed run left them."""
+  from dist_loop import make_config  # pylint: disable=g-import-not-at-top
+  workdir = str(tmp_path_factory.mktemp("resume") / "run")
+  config = make_config(
+      workdir=workdir, dataset="synthetic", model="mlp", num_devices=2,
+      global_batch_size=32, train_steps=6, optimizer="adam",
+      learning_rate=0.01, steps_per_loop=3, log_every=3, eval_every=100,
+      checkpoint_every=100, seed=0)
+  train.run(config)  # Saves a checkpoint at its last step, 6.
+  config = config.replace(train_steps=12)
+  train.run(config, flags_text="--train_steps=12\n")
+  files = []
+  for name in ("summary.json", "flags.txt"):
+    with open(os.path.join(workdir, name)) as f:
+      files.append(f.read())
+  return config, json.loads(files[0]), files[1]
+
+
+def test_resume_equals_uninterrupted(resumed):
+  config, summary, _ = resumed
+  assert summary["final_step"] == 12
+  whole = make_trainer(config)
+  whole.train(12)
+  assert max_diff(variables(whole), checkpoint_variables(config)) <= 1e-6
+  whole.close()
+  # Rerunning a finished run trains nothing.
+  before = checkpoint_variables(config)
+  assert train.run(config)["final_step"] == 12
+  assert max_diff(before, checkpoint_variables(config)) == 0
+
+
+def test_the_run_leaves_summary_json_and_flags(resumed):
+  config, summary, flags = resumed
   for key in ("final_step", "train_loss", "eval_loss", "eval_accuracy",
               "examples_per_sec", "wall_time_s"):
     assert summary[key] is not None, key
-  assert summary["final_step"] == 10
-  with open(os.path.join(cfg.workdir, "flags.txt")) as f:
-    assert f.read() == "--train_steps=10\n"
+  # Float32 sync hands its all-reduce 4 bytes per weight per step.
+  params = sum(v.size for v in checkpoint_variables(config))
+  assert summary["allreduce_bytes_per_step"] == 4 * params
+  assert summary["allreduce_bytes_total"] == 12 * 4 * params
+  assert flags == "--train_steps=12\n"

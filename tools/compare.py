@@ -28,7 +28,7 @@ CURVES = ("train/loss", "eval/loss", "train/accuracy", "eval/accuracy")
 # Columns that every run has, then whatever mode-specific statistics exist.
 BASE_COLUMNS = ("mode", "num_devices", "final_step", "train_loss",
                 "eval_loss", "eval_accuracy", "examples_per_sec",
-                "wall_time_s")
+                "updates_per_sec", "wall_time_s")
 
 
 class RunError(Exception):

@@ -3,7 +3,11 @@
 A loader is `fn(data_dir, seed, image_size) -> Dataset`: numpy arrays in memory,
 already normalised, with a held-out evaluation split. `image_size` is what the
 model asks for (the seed CNN wants 28x28x1); loaders of image data resize to
-it, and loaders of feature data may ignore it.
+it, and loaders of feature or text data ignore it. A loader that declares
+`Options` (a dataclass of `option(...)` fields: its flags) is also called
+with `options=`. Inputs are float32 features or images, or int32 token ids
+for a language-model dataset (`data/text.py`), whose labels are the next
+token at every position.
 """
 
 import dataclasses
@@ -16,7 +20,11 @@ from dist_loop.registry import Registry
 
 @dataclasses.dataclass(frozen=True)
 class Dataset:
-  """A dataset in memory: inputs, int32 labels, train and held-out eval."""
+  """A dataset in memory: inputs, int32 labels, train and held-out eval.
+
+  Labels are [n] class ids, or [n, seq_len] next tokens for a language
+  model; `num_classes` is then the vocabulary.
+  """
 
   train_x: np.ndarray
   train_y: np.ndarray

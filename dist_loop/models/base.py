@@ -7,12 +7,19 @@ pipeline mode cut it into stages. A builder is registered under a name:
     @MODELS.register("mlp")
     def mlp(input_shape, num_classes) -> list[keras.layers.Layer]: ...
 
-A builder may set `builder.image_size = 28` to ask image datasets for inputs
-of that size, and `builder.split_points = {2: (2,)}` to name its preferred cut
-into K pipeline stages (the layer indices where stages 1..K-1 start).
+A builder may set:
+
+* `builder.image_size = 28` to ask image datasets for inputs of that size;
+* `builder.input_dtype = "int32"` if its inputs are not float32 (token ids);
+* `builder.split_points` to name its preferred cut into K pipeline stages
+  (the layer indices where stages 1..K-1 start): a dict `{K: points}`
+  (`{2: (2,)}`), or a function `fn(K, num_layers) -> points or None` for a
+  model whose depth is an option (`split_points_for` reads either);
+* `builder.Options`, a dataclass of `option(...)` fields: the model's flags;
+  the builder is then called with `options=`.
 """
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Tuple
 
 import keras
 
@@ -24,6 +31,18 @@ MODELS: Registry = Registry("model", "model")
 def image_size_for(model_name: str):
   """The image side length the model wants, or None for any input."""
   return getattr(MODELS.get(model_name), "image_size", None)
+
+
+def split_points_for(model_name: str, num_stages: int, num_layers: int
+                     ) -> Optional[Tuple[int, ...]]:
+  """The model's own split into `num_stages` stages of its `num_layers`
+  built layers, or None if it declares none for that K."""
+  declared = getattr(MODELS.get(model_name), "split_points", None)
+  if callable(declared):
+    points = declared(num_stages, num_layers)
+  else:
+    points = (declared or {}).get(num_stages)
+  return None if points is None else tuple(points)
 
 
 def build_for(config, dataset,
@@ -60,11 +79,13 @@ def build(model_name: str, input_shape: Sequence[int], num_classes: int,
     if hasattr(builder, "Options"):
       kwargs["options"] = options if options is not None else builder.Options()
     layers = builder(tuple(input_shape), num_classes, **kwargs)
+  dtype = getattr(builder, "input_dtype", "float32")
   if layer_device is not None:
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
-    x = keras.Input(tuple(input_shape))
+    x = keras.Input(tuple(input_shape), dtype=dtype)
     for i, layer in enumerate(layers):
       with tf.device(layer_device(i)):
         x = layer(x)  # A symbolic call builds the layer under the device.
-  return keras.Sequential([keras.Input(tuple(input_shape))] + list(layers),
-                          name=model_name)
+  return keras.Sequential(
+      [keras.Input(tuple(input_shape), dtype=dtype)] + list(layers),
+      name=model_name)

@@ -4,6 +4,7 @@ from dist_loop.modes import sync  # Registers the modes.
 from dist_loop.modes import pipeline  # pylint: disable=unused-import
 from dist_loop.modes import asynchronous  # pylint: disable=unused-import
 from dist_loop.modes import ps  # pylint: disable=unused-import
+from dist_loop.modes import local_sgd  # pylint: disable=unused-import
 from dist_loop.modes.base import MODES, Report, Reporting, Trainer
 
 

@@ -1,11 +1,17 @@
 """Tasks (a name registry): what a model learns, as loss and metric sums."""
 
+from dist_loop.errors import UserError
 from dist_loop.tasks import classification  # Registers the tasks.
 from dist_loop.tasks.base import TASKS, Task
 
 
 def for_dataset(dataset) -> Task:
   """The task a dataset poses (its `task` field names it)."""
+  if dataset.task not in TASKS:
+    raise UserError(
+        f"the dataset poses the task {dataset.task!r}, which is not "
+        f"registered (registered: {', '.join(TASKS.names())}); register it "
+        f"with @TASKS.register({dataset.task!r}) in dist_loop/tasks")
   return TASKS.get(dataset.task)()
 
 

@@ -40,9 +40,14 @@ class Task(abc.ABC):
     return dict(means)
 
   @staticmethod
-  def predictions_per_example(labels: tf.Tensor) -> int:
-    """Labels per example: 1 for a class id, the sequence length for text."""
-    shape = labels.shape[1:]
+  def predictions_per_example(labels) -> int:
+    """Labels per example: 1 for a class id, the sequence length for text.
+
+    Args:
+      labels: a batch of labels with a static shape beyond the batch: a
+        tensor, a numpy array or a `tf.TensorSpec`.
+    """
+    shape = tf.TensorShape(labels.shape)[1:]
     if not shape.is_fully_defined():
       raise ValueError(f"labels need a static shape, got {labels.shape}")
     return int(shape.num_elements())

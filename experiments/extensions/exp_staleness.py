@@ -4,8 +4,9 @@ Exponential down-weighting: a gradient that is tau updates stale gets the
 learning rate times DECAY**tau. Where `inverse` (Zhang et al., 2016) divides
 by tau and so treats tau=1 like a fresh gradient, this discounts every step
 of staleness by the same factor, which suits runs where most gradients are
-one or two versions old. Select it with `--staleness_lr=exp`; see
-`async_exp_staleness.flags`.
+one or two versions old. Select it with `--staleness_lr=exp` (the flag of
+`AsyncOptions` takes its choices from the registry, so registering is all it
+needs); see `async_exp_staleness.flags`.
 """
 
 from dist_loop.modes.asynchronous.policies import STALENESS_LR

@@ -29,9 +29,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # pylint: disable=g-import-not-at-top
 
-from dist_loop import Config, data, devices, models  # pylint: disable=g-import-not-at-top
+from dist_loop import data, devices  # pylint: disable=g-import-not-at-top
 from dist_loop.evaluation import Evaluator  # pylint: disable=g-import-not-at-top
-from dist_loop.modes import build_trainer  # pylint: disable=g-import-not-at-top
+from dist_loop.modes import Reporting  # pylint: disable=g-import-not-at-top
+from tools.benchmarks import common  # pylint: disable=g-import-not-at-top
 
 NUM_DEVICES = 4
 FACTORS = (1, 3, 10)
@@ -49,14 +50,11 @@ class _Setting:
 
   def __init__(self, mode: str, factor: int, model: str, split, names):
     self.mode, self.factor = mode, factor
-    config = Config(
-        workdir="/tmp/unused", mode=mode, dataset="digits", model=model,
-        num_devices=NUM_DEVICES, async_workers=NUM_DEVICES,
-        global_batch_size=64, optimizer="adam", learning_rate=1e-3, seed=0,
-        straggler=f"{NUM_DEVICES - 1}:{factor}" if factor > 1 else None,
-    ).validate()
-    keras.utils.set_random_seed(config.seed)  # The same init everywhere.
-    self.trainer = build_trainer(config, names, split)
+    flat = _flags(model, mode)
+    if factor > 1:
+      flat["straggler"] = f"{NUM_DEVICES - 1}:{factor}"
+    keras.utils.set_random_seed(flat["seed"])  # The same init everywhere.
+    config, self.trainer = common.trainer(names, flat, split)
     self.evaluator = Evaluator(self.trainer.model, split,
                                config.eval_batch_size)
     self.steps = 0
@@ -84,9 +82,20 @@ class _Setting:
         "steps_to_target": self.steps_to_target,
         "seconds_to_target": self.seconds_to_target,
         "eval_accuracy": self.accuracy,
-        "staleness_mean": self.trainer.extra_summary().get(
-            "async_staleness_mean", 0.0),
+        "staleness_mean": (self.trainer.summary().get("async_staleness_mean")
+                           if isinstance(self.trainer, Reporting) else None
+                           ) or 0.0,
     }
+
+
+def _flags(model: str, mode: str) -> Dict[str, object]:
+  """The flag values of one setting, without its straggler."""
+  flat = dict(mode=mode, dataset="digits", model=model,
+              num_devices=NUM_DEVICES, global_batch_size=64, optimizer="adam",
+              learning_rate=1e-3, seed=0)
+  if mode == "async":
+    flat["async_workers"] = NUM_DEVICES
+  return flat
 
 
 def table(rows: List[Dict[str, object]]) -> str:
@@ -113,8 +122,7 @@ def run(quick: bool = False) -> dict:
   """Trains every (straggler, mode) setting interleaved; rows and a table."""
   settings = SETTINGS[quick]
   names = devices.configure(NUM_DEVICES, "cpu")
-  split = data.DATASETS.get("digits")(
-      None, 0, models.image_size_for(settings["model"]))
+  split = data.load(common.config(**_flags(settings["model"], "sync")))
   runs = [_Setting(mode, factor, settings["model"], split, names)
           for factor in FACTORS for mode in MODES]
   try:

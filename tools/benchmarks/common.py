@@ -1,24 +1,61 @@
-"""Shared pieces of the benchmarks: side-by-side timing and tables.
+"""Shared pieces of the benchmarks: trainers, side-by-side timing, tables.
 
 The machines are shared and noisy, so a benchmark never reports a time on
 its own: it times every variant in the same process, interleaved round by
 round (A B C, A B C, ...), takes each variant's median, and reports ratios.
+
+A benchmark builds its trainers as a run does (`trainer`): the flat flag
+values become a validated Config, and the mode's registered Trainer is
+built for one local process.
 """
 
 import statistics
 import time
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import dist_loop
+from dist_loop import configure, data
+from dist_loop.cluster import Cluster
+from dist_loop.data import Dataset
+from dist_loop.modes import Trainer, build_trainer
+
+# One process, whatever TF_CONFIG says: a benchmark is not a cluster.
+LOCAL = Cluster()
+
+
+def config(**flat) -> dist_loop.Config:
+  """A validated Config of one local process from flat flag values."""
+  return configure.validate(
+      dist_loop.make_config(workdir="/tmp/unused", **flat), LOCAL)
+
+
+def trainer(devices: Sequence[str], flat: Mapping[str, object],
+            dataset: Optional[Dataset] = None
+            ) -> Tuple[dist_loop.Config, Trainer]:
+  """The Config of `flat` and its mode's Trainer on `devices`.
+
+  Args:
+    devices: the devices to train on (`dist_loop.devices.configure`).
+    flat: flag values, as `dist_loop.make_config` takes them.
+    dataset: the loaded dataset, to share one among variants; None loads
+      the Config's.
+  """
+  run = config(**flat)
+  dataset = data.load(run) if dataset is None else dataset
+  return run, build_trainer(run, list(devices), dataset, LOCAL)
 
 
 def interleaved_medians(variants: Dict[str, Callable[[], None]],
-                        rounds: int) -> Dict[str, float]:
+                        rounds: int,
+                        clock: Callable[[], float] = time.perf_counter
+                        ) -> Dict[str, float]:
   """Median seconds of each callable, timed in interleaved rounds."""
   times = {name: [] for name in variants}
   for _ in range(rounds):
     for name, fn in variants.items():
-      t0 = time.perf_counter()
+      t0 = clock()
       fn()
-      times[name].append(time.perf_counter() - t0)
+      times[name].append(clock() - t0)
   return {name: statistics.median(ts) for name, ts in times.items()}
 
 

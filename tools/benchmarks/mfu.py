@@ -21,18 +21,18 @@ import keras  # pylint: disable=g-import-not-at-top
 import numpy as np  # pylint: disable=g-import-not-at-top
 import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
-from dist_loop import Config, devices  # pylint: disable=g-import-not-at-top
-from dist_loop.data.base import DATASETS, Dataset  # pylint: disable=g-import-not-at-top
-from dist_loop.models.base import MODELS  # pylint: disable=g-import-not-at-top
-from dist_loop.modes import build_trainer  # pylint: disable=g-import-not-at-top
-from tools.benchmarks.common import interleaved_medians, markdown_table  # pylint: disable=g-import-not-at-top
+from dist_loop import devices  # pylint: disable=g-import-not-at-top
+from dist_loop.data import DATASETS, Dataset  # pylint: disable=g-import-not-at-top
+from dist_loop.models import MODELS  # pylint: disable=g-import-not-at-top
+from tools.benchmarks.common import interleaved_medians, markdown_table, trainer  # pylint: disable=g-import-not-at-top
 
 WIDTH = 2048
 DEPTH = 4
 CLASSES = 10
-BATCH = 512
-MATMUL_N = 2048
-STEPS_PER_LOOP = 5
+# (batch, matmul side, matmuls in the chain, steps per loop, loops, rounds).
+# Quick is a smoke run of the harness: too small to keep the cores busy.
+SIZES = {False: (512, 2048, 20, 5, 4, 5), True: (32, 512, 2, 1, 1, 1)}
+EXAMPLES = 2048
 
 
 # Registered like any extension: one builder, one dataset, one name each.
@@ -47,9 +47,9 @@ def bench_mlp(input_shape, num_classes):
 def bench_features(data_dir, seed, image_size=None):
   del data_dir, image_size
   rng = np.random.RandomState(seed)
-  x = rng.randn(4 * BATCH, WIDTH).astype(np.float32)
+  x = rng.randn(EXAMPLES, WIDTH).astype(np.float32)
   y = rng.randint(0, CLASSES, len(x)).astype(np.int32)
-  return Dataset(x, y, x[:BATCH], y[:BATCH], CLASSES)
+  return Dataset(x, y, x[:256], y[:256], CLASSES)
 
 
 def train_flops_per_step(batch, widths):
@@ -63,10 +63,10 @@ def train_flops_per_step(batch, widths):
 
 def run(quick: bool = False) -> dict:
   names = devices.configure(1, "cpu")
-  chain, rounds, loops = (4, 1, 1) if quick else (20, 5, 4)
+  batch, side, chain, steps_per_loop, loops, rounds = SIZES[quick]
 
-  a = tf.random.normal([MATMUL_N, MATMUL_N])
-  b = tf.random.normal([MATMUL_N, MATMUL_N]) / np.sqrt(MATMUL_N)
+  a = tf.random.normal([side, side])
+  b = tf.random.normal([side, side]) / np.sqrt(side)
 
   @tf.function
   def matmuls():
@@ -76,26 +76,25 @@ def run(quick: bool = False) -> dict:
     return tf.reduce_sum(x)
 
   matmuls()
-  config = Config(workdir="/tmp/unused", dataset="bench_features_2048",
-                  model="bench_mlp_4x2048", num_devices=1,
-                  global_batch_size=BATCH, optimizer="sgd",
-                  learning_rate=1e-3, steps_per_loop=STEPS_PER_LOOP).validate()
-  trainer = build_trainer(config, names,
-                          DATASETS.get(config.dataset)(None, 0, None))
-  trainer.train(STEPS_PER_LOOP)
+  _, sync = trainer(names, dict(
+      dataset="bench_features_2048", model="bench_mlp_4x2048", num_devices=1,
+      global_batch_size=batch, optimizer="sgd", learning_rate=1e-3,
+      steps_per_loop=steps_per_loop))
+  sync.train(steps_per_loop)
 
   def train():
     for _ in range(loops):
-      trainer.train(STEPS_PER_LOOP)
+      sync.train(steps_per_loop)
 
   seconds = interleaved_medians(
       {"matmul": lambda: float(matmuls()), "train": train}, rounds)
-  peak = chain * 2 * MATMUL_N ** 3 / seconds["matmul"]
-  flops = train_flops_per_step(BATCH, [WIDTH] * (DEPTH + 1) + [CLASSES])
-  achieved = loops * STEPS_PER_LOOP * flops / seconds["train"]
+  sync.close()
+  peak = chain * 2 * side ** 3 / seconds["matmul"]
+  flops = train_flops_per_step(batch, [WIDTH] * (DEPTH + 1) + [CLASSES])
+  achieved = loops * steps_per_loop * flops / seconds["train"]
   rows = [{"matmul peak GFLOP/s": peak / 1e9,
            "train GFLOP/s": achieved / 1e9, "MFU": achieved / peak,
-           "model": f"{DEPTH}x{WIDTH} MLP, batch {BATCH}, SGD"}]
+           "model": f"{DEPTH}x{WIDTH} MLP, batch {batch}, SGD"}]
   columns = ["model", "matmul peak GFLOP/s", "train GFLOP/s", "MFU"]
   return {"rows": rows, "table": markdown_table(rows, columns)}
 

@@ -2,9 +2,10 @@ r"""Framework overhead: dist_loop's sync step against Keras fit and a bare loop.
 
     python -m tools.benchmarks.overhead [--quick]
 
-The seed CNN on digits, on 1 and 2 logical devices under MirroredStrategy,
-the same global batch and the same input pipeline, with `steps_per_execution`
-of fit equal to our `steps_per_loop`. Three loops:
+The seed CNN on digits (the MLP with `--quick`), on 1 and 2 logical devices
+under MirroredStrategy, the same global batch and the same input pipeline,
+with `steps_per_execution` of fit equal to our `steps_per_loop`. Three
+loops:
 
 * dist_loop: `SyncTrainer.train(steps_per_loop)`, as the controller calls it
   (explicit all-reduce, metrics, the non-finite guard);
@@ -24,26 +25,25 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras  # pylint: disable=g-import-not-at-top
 import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
-from dist_loop import Config, data, devices, models, optim  # pylint: disable=g-import-not-at-top
+from dist_loop import data, devices, models, optim  # pylint: disable=g-import-not-at-top
 from dist_loop import strategy as strategy_lib  # pylint: disable=g-import-not-at-top
 from dist_loop.data import stream  # pylint: disable=g-import-not-at-top
-from dist_loop.modes import build_trainer  # pylint: disable=g-import-not-at-top
-from tools.benchmarks.common import interleaved_medians, markdown_table  # pylint: disable=g-import-not-at-top
+from tools.benchmarks import common  # pylint: disable=g-import-not-at-top
 
 GLOBAL_BATCH = 64
 STEPS_PER_LOOP = 20
 LEARNING_RATE = 1e-3
 
 
-def _config(num_devices):
-  return Config(workdir="/tmp/unused", dataset="digits", model="cnn",
-                num_devices=num_devices, global_batch_size=GLOBAL_BATCH,
-                optimizer="adam", learning_rate=LEARNING_RATE,
-                steps_per_loop=STEPS_PER_LOOP).validate()
+def _flags(model):
+  return dict(dataset="digits", model=model, global_batch_size=GLOBAL_BATCH,
+              optimizer="adam", learning_rate=LEARNING_RATE,
+              steps_per_loop=STEPS_PER_LOOP)
 
 
-def _dist_loop(names, split, loops):
-  trainer = build_trainer(_config(len(names)), names, split)
+def _dist_loop(names, model, split, loops):
+  _, trainer = common.trainer(names, {**_flags(model),
+                                      "num_devices": len(names)}, split)
   trainer.train(STEPS_PER_LOOP)  # Traces.
 
   def run():
@@ -59,14 +59,14 @@ def fit_steps_per_execution(num_devices):
   return STEPS_PER_LOOP if num_devices == 1 else 1
 
 
-def _keras_fit(names, split, loops):
+def _keras_fit(names, model_name, split, loops):
   strategy = strategy_lib.mirrored(names)
   fn = stream.train_dataset_fn(split.train_x, split.train_y, GLOBAL_BATCH,
-                                 seed=0)
+                               seed=0)
   # The same stream, batched to the global batch: fit splits it itself.
   dataset = fn(tf.distribute.InputContext(1, 0, 1))
   with strategy.scope():
-    model = models.build("cnn", split.input_shape, split.num_classes)
+    model = models.build(model_name, split.input_shape, split.num_classes)
     model.compile(optimizer=keras.optimizers.Adam(LEARNING_RATE),
                   loss=keras.losses.SparseCategoricalCrossentropy(
                       from_logits=True),
@@ -80,13 +80,13 @@ def _keras_fit(names, split, loops):
   return run
 
 
-def _bare(names, split, loops):
+def _bare(names, model_name, split, loops):
   strategy = strategy_lib.mirrored(names)
   with strategy.scope():
-    model = models.build("cnn", split.input_shape, split.num_classes)
+    model = models.build(model_name, split.input_shape, split.num_classes)
     optimizer = optim.make("adam", LEARNING_RATE, model.trainable_variables)
   fn = stream.train_dataset_fn(split.train_x, split.train_y, GLOBAL_BATCH,
-                                 seed=0)
+                               seed=0)
   iterator = iter(strategy.distribute_datasets_from_function(fn))
 
   def replica_step(x, y):
@@ -113,26 +113,28 @@ def _bare(names, split, loops):
 def run(quick: bool = False) -> dict:
   """Examples/sec of the three loops on 1 and 2 devices, and their ratios."""
   names = devices.configure(2, "cpu")
-  split = data.DATASETS.get("digits")(None, 0, models.image_size_for("cnn"))
-  loops, rounds = (2, 1) if quick else (10, 5)
+  model = "mlp" if quick else "cnn"
+  split = data.load(common.config(**_flags(model)))
+  loops, rounds = (1, 1) if quick else (10, 5)
   examples = loops * STEPS_PER_LOOP * GLOBAL_BATCH
   rows = []
   for n in (1, 2):
-    variants = {name: build(names[:n], split, loops) for name, build in
+    variants = {name: build(names[:n], model, split, loops) for name, build in
                 (("dist_loop", _dist_loop), ("keras_fit", _keras_fit),
                  ("bare", _bare))}
-    seconds = interleaved_medians(variants, rounds)
+    seconds = common.interleaved_medians(variants, rounds)
     rate = {k: examples / v for k, v in seconds.items()}
-    rows.append({"devices": n, "steps_per_loop": STEPS_PER_LOOP,
+    rows.append({"model": model, "devices": n,
+                 "steps_per_loop": STEPS_PER_LOOP,
                  "fit steps_per_execution": fit_steps_per_execution(n),
                  "dist_loop ex/s": rate["dist_loop"],
                  "keras_fit ex/s": rate["keras_fit"],
                  "bare ex/s": rate["bare"],
                  "vs fit": rate["dist_loop"] / rate["keras_fit"],
                  "vs bare": rate["dist_loop"] / rate["bare"]})
-  columns = ["devices", "fit steps_per_execution", "dist_loop ex/s", "keras_fit ex/s", "bare ex/s",
-             "vs fit", "vs bare"]
-  return {"rows": rows, "table": markdown_table(rows, columns)}
+  columns = ["devices", "fit steps_per_execution", "dist_loop ex/s",
+             "keras_fit ex/s", "bare ex/s", "vs fit", "vs bare"]
+  return {"rows": rows, "table": common.markdown_table(rows, columns)}
 
 
 if __name__ == "__main__":

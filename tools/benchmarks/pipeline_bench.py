@@ -54,21 +54,23 @@ def _worker(spec: Dict) -> List[Dict]:
                             inter_op_threads=NUM_STAGES)
   import keras  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from dist_loop import Config, data  # pylint: disable=g-import-not-at-top
-  from dist_loop.modes import build_trainer  # pylint: disable=g-import-not-at-top
-  split = data.DATASETS.get("synthetic")(None, 0, None)
+  from dist_loop import data  # pylint: disable=g-import-not-at-top
+  from tools.benchmarks import common  # pylint: disable=g-import-not-at-top
+  flat = dict(dataset="synthetic", model="deep_mlp",
+              global_batch_size=GLOBAL_BATCH, optimizer="sgd",
+              learning_rate=0.01, intra_op_threads=1,
+              inter_op_threads=NUM_STAGES)
+  split = data.load(common.config(**flat))
   trainers = []
   for v in _variants(spec["quick"]):
-    num_devices = NUM_STAGES if v["mode"] == "pipeline" else 1
-    config = Config(
-        workdir="/tmp/unused", dataset="synthetic", model="deep_mlp",
-        mode=v["mode"], num_devices=num_devices, num_stages=NUM_STAGES,
-        stage_split="params", num_microbatches=v["m"],
-        pipeline_schedule=v.get("schedule", "gpipe"),
-        global_batch_size=GLOBAL_BATCH, optimizer="sgd", learning_rate=0.01,
-        intra_op_threads=1, inter_op_threads=NUM_STAGES).validate()
+    mode = dict(mode="sync", num_devices=1)
+    if v["mode"] == "pipeline":
+      mode = dict(mode="pipeline", num_devices=NUM_STAGES,
+                  num_stages=NUM_STAGES, stage_split="params",
+                  num_microbatches=v["m"], pipeline_schedule=v["schedule"])
     keras.utils.set_random_seed(0)
-    trainer = build_trainer(config, names[:num_devices], split)
+    _, trainer = common.trainer(names[:mode["num_devices"]],
+                                {**flat, **mode}, split)
     trainer.train(spec["warmup"])  # Traces, and warms up the allocator.
     trainers.append(trainer)
   seconds = [[] for _ in trainers]

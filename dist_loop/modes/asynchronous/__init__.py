@@ -1,3 +1,6 @@
-"""Asynchronous data parallelism in one process."""
-from dist_loop.modes.asynchronous.trainer import *  # noqa: F401,F403
-from dist_loop.modes.asynchronous.trainer import AsyncTrainer  # noqa: F401
+"""Asynchronous data parallelism in one process (`--mode=async`)."""
+
+from dist_loop.modes.asynchronous.trainer import AsyncTrainer  # Registers it.
+from dist_loop.modes.asynchronous.threads import WorkerFailed
+
+__all__ = ["AsyncTrainer", "WorkerFailed"]

@@ -14,27 +14,22 @@ not what counts updates here.
 With float16 loss scaling, the applier owns the `DynamicLossScale`: `read`
 returns the scale in force with the weights, and the worker sends back the
 gradient unscaled, with the scale it used. Non-finite gradients of a finite
-loss are then an overflow: the push is skipped (neither applied nor counted
-as an update). Only a push computed at the scale in force (or a smaller one)
-halves it, so W workers that overflowed at one scale halve it once, not W
-times. At the floor scale of 1.0 nothing is scaled any more, and non-finite
-gradients are a real non-finite step (`precision.stale_overflow`, the rule
-the ps mode applies too). An applied push counts a good step towards the
+loss are then an overflow, and the push is skipped (neither applied nor
+counted as an update), by the rule the ps mode applies too
+(`staleness.overflow`). An applied push counts a good step towards the
 scale's growth.
 """
 
-import collections
 import dataclasses
 import threading
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import keras
 import tensorflow as tf
 
-from dist_loop import optim
+from dist_loop import optim, staleness
 from dist_loop.modes.asynchronous import policies
 from dist_loop.modes.asynchronous.worker import Push
-from dist_loop import precision as precision_lib
 from dist_loop.precision import DynamicLossScale
 
 
@@ -58,7 +53,7 @@ class Applier:
     optimizer: built over `model.trainable_variables`.
     step: int64 variable, the number of applied updates (= the version).
     device: where the update runs (the master variables' device).
-    max_staleness: drop gradients with tau > this; -1: no bound.
+    max_staleness: drop gradients with tau > this; NO_BOUND: no bound.
     staleness_lr: `fn(tau) -> learning-rate factor`.
     compensation: `fn(grads, now, read, dc_lambda) -> grads`.
     dc_lambda: the delay-compensation strength.
@@ -66,7 +61,8 @@ class Applier:
   """
 
   def __init__(self, model: keras.Model, optimizer: keras.optimizers.Optimizer,
-               step: tf.Variable, device: str, max_staleness: int = -1,
+               step: tf.Variable, device: str,
+               max_staleness: int = staleness.NO_BOUND,
                staleness_lr: Callable[[int], float] = policies.constant,
                compensation: Callable = policies.no_compensation,
                dc_lambda: float = 0.0,
@@ -82,9 +78,9 @@ class Applier:
     self.loss_scale = loss_scale
     self.lock = threading.Lock()
     self.version = int(step.numpy())
-    self.staleness_counts: Dict[int, int] = collections.Counter()
+    self.staleness = staleness.Histogram()  # Of the applied updates.
     self.dropped = 0
-    self.skipped = 0
+    self.skipped = 0  # Loss-scale overflows.
     self._read_fn = tf.function(self._read)
     self._apply_fn = tf.function(self._apply)
     self._update_scale_fn = (tf.function(loss_scale.update)
@@ -107,7 +103,7 @@ class Applier:
 
   @property
   def applied(self) -> int:
-    return sum(self.staleness_counts.values())
+    return self.staleness.total
 
   @property
   def current_loss_scale(self) -> float:
@@ -129,7 +125,7 @@ class Applier:
     if tau < 0:
       raise RuntimeError(f"{push.worker=} read version {push.version}, ahead "
                          f"of the master's {self.version}")
-    if not policies.accepts(tau, self.max_staleness):
+    if not staleness.accepts(tau, self.max_staleness):
       self.dropped += 1
       return Outcome(tau, applied=False)
     scale = float(self.staleness_lr(tau))
@@ -144,7 +140,7 @@ class Applier:
       else:
         skipped = self._overflowed(push)
     if ok:
-      self.staleness_counts[tau] += 1
+      self.staleness.add([tau])
     elif skipped:
       self.skipped += 1
     return Outcome(tau, applied=ok, finite=ok or skipped, skipped=skipped,
@@ -156,7 +152,7 @@ class Applier:
     overflow at the scale in force. Call with the lock held."""
     if self.loss_scale is None:
       return False
-    skip, halve = precision_lib.stale_overflow(
+    skip, halve = staleness.overflow(
         tf.constant(False), tf.math.is_finite(push.loss),
         tf.constant(push.loss_scale, tf.float32), self.loss_scale.scale)
     if halve:

@@ -1,9 +1,9 @@
 """Staleness policies of the async applier: small functions in registries.
 
-A gradient computed on master version v and applied at version t has
-staleness tau = t - v. Three knobs decide what the applier does with it:
+The staleness bound (`--max_staleness`) is shared with the ps mode and lives
+in `dist_loop/staleness.py`. Two more knobs, of the async mode only, decide
+how a gradient of staleness tau that passed the bound is applied:
 
-* `--max_staleness=s` (`accepts`): drop it if tau > s (-1: never drop).
 * `--staleness_lr=NAME` (`STALENESS_LR`): `fn(tau) -> scale`, the factor on
   the learning rate of this one update. A Python function of a Python int,
   so a policy can be printed, tested and plotted without TensorFlow.
@@ -29,13 +29,6 @@ from dist_loop.registry import Registry
 STALENESS_LR: Registry = Registry("staleness learning-rate rule",
                                   "staleness_lr")
 COMPENSATIONS: Registry = Registry("delay compensation", "async_compensation")
-
-NO_BOUND = -1
-
-
-def accepts(tau: int, max_staleness: int) -> bool:
-  """Whether a gradient of staleness `tau` is applied (else dropped)."""
-  return max_staleness == NO_BOUND or tau <= max_staleness
 
 
 @STALENESS_LR.register("none")

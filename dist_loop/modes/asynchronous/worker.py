@@ -1,12 +1,13 @@
 """One async worker: a model copy on its own device, and its gradient step.
 
 A worker's step is a function of (the master weights it read, the version it
-read them at, a batch) -> `Push`. It loads the weights into its own copy,
-computes the gradient of the batch's mean loss there, and returns the
-gradient together with the version and the weights it was computed on (delay
-compensation needs them). No threads and no queue here: the async mode's
-threads call `next_batch` and `compute` in a loop, and the deterministic
-tests call them in whatever order they want to force.
+read them at, a batch) -> `Push`. It loads the weights into its own copy and
+computes the gradient of the batch's mean loss there with the step core
+(`dist_loop/step.py`): the worker is the one contributor of its update. It
+returns the gradient with the version and the weights it was computed on
+(delay compensation needs them). No threads and no queue here: the async
+mode's threads call `next_batch` and `compute` in a loop, and the
+deterministic tests call them in whatever order they want to force.
 
 With `--precision=mixed_float16` the worker also gets the loss scale in force
 when it read the weights: it differentiates loss * scale (so that small
@@ -17,14 +18,14 @@ already halved scale (see applier.py). Other precisions add no scaling op.
 """
 
 import dataclasses
-from typing import List, Tuple
+from typing import Dict, List, Tuple
 
 import keras
 import tensorflow as tf
 
-from dist_loop import models
-from dist_loop import precision as precision_lib
+from dist_loop import step as step_lib
 from dist_loop.data import Dataset, train_dataset_fn
+from dist_loop.tasks import Task
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,28 +36,43 @@ class Push:
   version: int  # The master version the gradient was computed on.
   grads: List[tf.Tensor]
   read: List[tf.Tensor]  # The master weights at `version`.
-  loss: tf.Tensor  # Mean loss of the batch at `read`.
-  accuracy: tf.Tensor
+  # The task's metrics of the batch at `read` (means; `loss` among them).
+  metrics: Dict[str, tf.Tensor]
   loss_scale: float = 1.0  # The loss scale the gradient was computed at.
+
+  @property
+  def loss(self) -> tf.Tensor:
+    return self.metrics["loss"]
 
 
 class Worker:
-  """Worker `index` of `num_workers`, pinned to `device`."""
+  """Worker `index` of `num_workers`, pinned to `device`.
 
-  def __init__(self, index: int, num_workers: int, device: str, model_name: str,
-               split: Dataset, batch_size: int, seed: int,
-               precision: str = "float32"):
+  Args:
+    index, num_workers: this worker's place; it reads input shard `index`.
+    device: where its model copy lives and its step runs.
+    model: its model copy, built on `device` (the weights are overwritten
+      by every step).
+    task: what is learned (the loss and metrics of a batch).
+    dataset: the training data.
+    batch_size: examples per push (the run's --global_batch_size).
+    seed: the input stream's seed.
+    loss_scaled: float16 loss scaling (`--precision=mixed_float16`).
+  """
+
+  def __init__(self, index: int, num_workers: int, device: str,
+               model: keras.Model, task: Task, dataset: Dataset,
+               batch_size: int, seed: int, loss_scaled: bool = False):
     self.index = index
     self.num_workers = num_workers
     self.device = device
+    self.model = model
+    self.task = task
     self.batch_size = batch_size
+    self.loss_scaled = loss_scaled
     self.steps = 0  # Gradients computed; written by this worker's thread only.
-    self.loss_scaled = precision_lib.needs_loss_scale(precision)
-    self._split = split
+    self._dataset = dataset
     self._seed = seed
-    with tf.device(device):
-      self.model = models.build(model_name, split.input_shape,
-                                split.num_classes, precision=precision)
     self._iterator = None
     self._step_fn = tf.function(self._step)
 
@@ -71,7 +87,7 @@ class Worker:
     w takes the w-th batch of every block: the shards are disjoint, and with
     one worker the stream is exactly the sync mode's.
     """
-    fn = train_dataset_fn(self._split.train_x, self._split.train_y,
+    fn = train_dataset_fn(self._dataset.train_x, self._dataset.train_y,
                           self.batch_size * self.num_workers, self._seed,
                           start_step=start_step)
     ctx = tf.distribute.InputContext(num_input_pipelines=self.num_workers,
@@ -102,30 +118,19 @@ class Worker:
     """
     # A tensor, not a Python float: one trace serves every scale.
     scale = tf.constant(loss_scale, tf.float32) if self.loss_scaled else None
-    grads, loss, accuracy = self._step_fn(read, x, y, scale)
+    grads, metrics = self._step_fn(read, x, y, scale)
     self.steps += 1
-    return Push(self.index, version, grads, read, loss, accuracy, loss_scale)
+    return Push(self.index, version, grads, read, metrics, loss_scale)
 
   # -- the traced step, on this worker's device --
 
   def _step(self, read, x, y, scale):
     with tf.device(self.device):
-      variables = self.model.trainable_variables
-      for var, value in zip(variables, read):
+      for var, value in zip(self.model.trainable_variables, read):
         var.assign(value)
-      with tf.GradientTape() as tape:
-        logits = tf.cast(self.model(x, training=True), tf.float32)
-        per_example = keras.losses.sparse_categorical_crossentropy(
-            y, logits, from_logits=True)
-        loss = tf.reduce_sum(per_example) / self.batch_size
-        if self.model.losses:
-          loss += tf.add_n(self.model.losses)
-        scaled = loss if scale is None else loss * scale
-      grads = tape.gradient(scaled, variables)
+      metrics, grads = step_lib.gradients(
+          self.task, self.model, x, y, examples_per_update=self.batch_size,
+          contributors=1, scale=scale)
       if scale is not None:  # float32 gradients, unscaled before the push.
         grads = [g / scale for g in grads]
-      accuracy = tf.reduce_mean(tf.cast(
-          tf.equal(tf.argmax(logits, -1, output_type=tf.int32),
-                   tf.cast(y, tf.int32)), tf.float32))
-      return grads, loss, accuracy
-
+      return grads, metrics

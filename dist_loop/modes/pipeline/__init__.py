@@ -1,3 +1,4 @@
-"""Pipeline model parallelism."""
-from dist_loop.modes.pipeline.trainer import *  # noqa: F401,F403
+"""Pipeline model parallelism (--mode=pipeline)."""
+# Importing the trainer registers the mode.
+from dist_loop.modes.pipeline.options import PipelineOptions  # noqa: F401
 from dist_loop.modes.pipeline.trainer import PipelineTrainer  # noqa: F401

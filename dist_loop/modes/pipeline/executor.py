@@ -6,37 +6,36 @@ under `tf.device(the stage's device)`, and each block waits, by control
 dependency, for the previous action of the same stage. So each device runs
 exactly the order the schedule gives, and across devices only data moves:
 
-* F i on stage k: records stage k's layers on micro-batch i under its own
+* F i on stage k records stage k's layers on micro-batch i under its own
   `GradientTape` (the activations it keeps are what a schedule's memory is
-  about). The last stage also computes the micro-batch's share of the loss:
-  sum of its per-example losses / global batch, so that the sum over all
-  micro-batches and replicas is the global-batch mean.
+  about). On the last stage, the step core (`dist_loop.step.shares`) gives
+  the micro-batch's share of the update's loss and metrics, with R*M
+  contributors, so the shares sum to the global-batch mean.
 * B i on stage k: `tape.gradient(out, [input] + stage variables,
-  output_gradients=dL/d(out))` gives the gradient to send to stage k-1 and the
-  stage's parameter gradients, which are added to the stage's accumulator.
-  Once the tape is used, its activations can be freed.
+  output_gradients=dL/d(out))` is the gradient sent to stage k-1 and the
+  stage's parameter gradients, added to the stage's accumulator.
 
-With float16 loss scaling (`step(..., loss_scale=scale)`), the last stage's
-tape differentiates loss * scale instead of the loss, so the backward pass
-starts from d(loss * scale): every activation gradient sent from stage k to
-stage k-1 (float16 under mixed_float16) is scaled, which keeps the small
-ones from underflowing on the way. The stages' parameter gradients come out
-scaled too; they are accumulated and reduced scaled, and the caller unscales
-them once, after the reduction, and checks them for overflow (see
-precision.py). The scale is read once per step, so all stages and replicas
-use the same one.
+Regularisation terms (`layer.losses`) belong to the stage whose layers make
+them. F i adds its stage's terms to a scalar that travels with the
+activations, so the last stage hands the micro-batch's whole regularisation
+to `shares`, which adds 1/(R*M) of it (the step core's rule); B i sends
+d(loss)/d(scalar) back beside the activation gradient. A model without such
+terms sends nothing extra.
 
-After the schedule, each stage's accumulated gradients are reduced across
-the R data-parallel replicas (hybrid mode): packed into one flat vector per
-replica and summed on the stage's master device, one reduction per stage per
-step. The master variables live there; the other replicas only read them.
+With float16 loss scaling (`step(..., loss_scale=scale)`) the last stage's
+tape differentiates loss * scale, so every activation gradient sent between
+stages is scaled and small ones do not underflow in float16. Parameter
+gradients are accumulated and reduced scaled; the caller unscales them once
+(precision.py). The scale is read once per step, for all stages.
 
-Each action is bracketed by two timestamps taken on its device (see `_stamp`
-for why not a bare `tf.timestamp()`): the start stamp waits for the action's
-inputs and its predecessor, the action's ops wait for the start stamp, and
-the end stamp waits for its outputs. From these (start, end) pairs the
-step's measured busy time per stage and bubble are computed, and the
-timeline is drawn.
+After the schedule, each stage's gradients are reduced across the R
+data-parallel replicas (hybrid mode): one flat vector per replica, summed on
+the stage's master device, where the master variables live.
+
+Each action is bracketed by two timestamps on its device (see `_stamp`): the
+start waits for the action's inputs and its predecessor, the action's ops
+wait for the start, and the end waits for its outputs. They give the
+measured bubble and the timeline.
 """
 
 from typing import Dict, List, Optional, Sequence
@@ -44,9 +43,9 @@ from typing import Dict, List, Optional, Sequence
 import keras
 import tensorflow as tf
 
+from dist_loop import step as step_core
 from dist_loop.modes.pipeline import schedule as schedule_lib
-
-RECOMPUTE = ("never", "always", "except_last")
+from dist_loop.tasks import Task
 
 
 class PipelineExecutor:
@@ -55,7 +54,8 @@ class PipelineExecutor:
   def __init__(self, stage_layers: Sequence[Sequence[keras.layers.Layer]],
                schedule: schedule_lib.Schedule,
                device_grid: Sequence[Sequence[str]], num_microbatches: int,
-               global_batch_size: int, recompute: str = "never"):
+               task: Task, examples_per_update: int,
+               recompute: str = "never"):
     """Prepares the per-stage forward functions and the clocks.
 
     Args:
@@ -64,9 +64,9 @@ class PipelineExecutor:
       device_grid: device_grid[r][k] runs stage k of replica r; replica 0's
         devices hold the variables.
       num_microbatches: M, per replica.
-      global_batch_size: examples per step over all replicas (the loss is
-        scaled by it).
-      recompute: "never", "always" or "except_last".
+      task: what is learned (the loss and metrics of the last stage).
+      examples_per_update: the global batch, over all replicas.
+      recompute: one of `options.RECOMPUTE`.
     """
     self.stage_layers = [list(s) for s in stage_layers]
     self.num_stages = len(self.stage_layers)
@@ -75,7 +75,8 @@ class PipelineExecutor:
     self.device_grid = [list(row) for row in device_grid]
     self.num_replicas = len(self.device_grid)
     self.num_microbatches = num_microbatches
-    self.global_batch_size = global_batch_size
+    self.task = task
+    self.examples_per_update = examples_per_update
     self.stage_variables = [
         [v for layer in layers for v in layer.trainable_variables]
         for layers in self.stage_layers]
@@ -89,7 +90,7 @@ class PipelineExecutor:
               tf.Variable(0.0, dtype=tf.float64, trainable=False))
     self._forward = []
     for k in range(self.num_stages):
-      fn = self._stage_fn(k)
+      fn = _stage_fn(self.stage_layers[k])
       last = k == self.num_stages - 1
       if recompute == "always" or (recompute == "except_last" and not last):
         fn = tf.recompute_grad(fn)
@@ -112,16 +113,6 @@ class PipelineExecutor:
     """All trainable variables, stage by stage: the model's order."""
     return [v for vs in self.stage_variables for v in vs]
 
-  def _stage_fn(self, k):
-    layers = self.stage_layers[k]
-
-    def forward(x):
-      for layer in layers:
-        x = layer(x, training=True)
-      return x
-
-    return forward
-
   # -- one step --
 
   def step(self, x: tf.Tensor, y: tf.Tensor,
@@ -136,8 +127,7 @@ class PipelineExecutor:
     Returns:
       grads: reduced gradients, one per variable (see `variables`), on the
         stage's master device; multiplied by `loss_scale` if given.
-      loss, correct: the global-batch mean loss and number of correct
-        predictions.
+      metrics: the task's metrics (`loss` first), as the update's means.
       starts, ends: float64 [R, K, 2M] timestamps (seconds) of each stage's
         actions, in the stage's schedule order.
     """
@@ -147,89 +137,102 @@ class PipelineExecutor:
     # the sync mode's replica shards; chunk r*M + i is micro-batch i of r.
     xs = tf.split(x, r_total * m)
     ys = tf.split(y, r_total * m)
-    losses, corrects = [], []
+    shares = []
     accum = [[None] * k_total for _ in range(r_total)]
     starts = [[[] for _ in range(k_total)] for _ in range(r_total)]
     ends = [[[] for _ in range(k_total)] for _ in range(r_total)]
     for r in range(r_total):
       last_op = [[] for _ in range(k_total)]  # Per stage: the previous action.
-      outputs = {}  # (k, "F"/"B", i) -> tensor sent on.
-      tapes = {}    # (k, i) -> (tape, input, output) awaiting B i.
+      # (k, "F"/"B", i) -> what is sent on: (tensor, regularisation or None).
+      sent = {}
+      tapes = {}  # (k, i) -> what B i needs from F i.
       for k, action in self.order:
-        device = self.device_grid[r][k]
         i = action.microbatch
-        last = k == k_total - 1
         if action.kind == schedule_lib.FORWARD:
-          inp = xs[r * m + i] if k == 0 else outputs[(k - 1, "F", i)]
+          inp = (xs[r * m + i], None) if k == 0 else sent[(k - 1, "F", i)]
         else:
-          inp = None if last else outputs[(k + 1, "B", i)]
-        with tf.device(device):
-          with tf.control_dependencies(
-              last_op[k] + ([inp] if inp is not None else [])):
+          inp = (None, None) if k == k_total - 1 else sent[(k + 1, "B", i)]
+        with tf.device(self.device_grid[r][k]):
+          with tf.control_dependencies(last_op[k] + [
+              t for t in inp if t is not None]):
             t0 = self._stamp(r, k)
           with tf.control_dependencies([t0]):
             if action.kind == schedule_lib.FORWARD:
-              done = self._forward_action(r, k, i, inp, ys, tapes, outputs,
-                                          losses, corrects, loss_scale)
+              done = self._forward_action(r, k, i, inp, ys, tapes, sent,
+                                          shares, loss_scale)
             else:
-              done = self._backward_action(r, k, i, inp, tapes, outputs,
-                                           accum)
+              done = self._backward_action(r, k, i, inp, tapes, sent, accum)
           with tf.control_dependencies(done):
             t1 = self._stamp(r, k)
         last_op[k] = [t1]
         starts[r][k].append(t0)
         ends[r][k].append(t1)
-    grads = self._reduce(accum)
-    return {"grads": grads, "loss": tf.add_n(losses),
-            "correct": tf.add_n(corrects),
+    return {"grads": self._reduce(accum),
+            "metrics": {name: tf.add_n([s[name] for s in shares])
+                        for name in self.task.metric_names},
             "starts": tf.stack([[tf.stack(s) for s in row] for row in starts]),
             "ends": tf.stack([[tf.stack(e) for e in row] for row in ends])}
 
-  def _forward_action(self, r, k, i, inp, ys, tapes, outputs, losses,
-                      corrects, loss_scale):
+  def _forward_action(self, r, k, i, inp, ys, tapes, sent, shares,
+                      loss_scale):
     """F i on stage k of replica r; returns the tensors that end it.
 
-    On the last stage the tape's target, where B i starts, is the loss times
-    `loss_scale` if given; `losses` gets the unscaled loss either way."""
-    last = k == self.num_stages - 1
-    inp = tf.identity(inp)  # The received copy, on this device.
+    On the last stage the tape's target, where B i starts, is the share of
+    the loss times `loss_scale` if given; `shares` gets the unscaled share.
+    """
+    # The received copies, on this device.
+    x, reg_in = (None if t is None else tf.identity(t) for t in inp)
     with tf.GradientTape() as tape:
-      tape.watch(inp)
-      out = self._forward[k](inp)
-      if last:
-        labels = ys[r * self.num_microbatches + i]
-        out = tf.cast(out, tf.float32)  # The loss in float32 (mixed precision).
-        per_example = keras.losses.sparse_categorical_crossentropy(
-            labels, out, from_logits=True)
-        loss = tf.reduce_sum(per_example) / self.global_batch_size
-        target = loss if loss_scale is None else loss * loss_scale
-    if last:
-      correct = tf.reduce_sum(tf.cast(tf.equal(
-          tf.argmax(out, -1, output_type=tf.int32),
-          tf.cast(labels, tf.int32)), tf.float32))
-      losses.append(loss)
-      corrects.append(correct)
-      tapes[(k, i)] = (tape, inp, target)
-      return [target, correct]
-    tapes[(k, i)] = (tape, inp, out)
-    outputs[(k, "F", i)] = out
-    return [out]
+      tape.watch(x)
+      if reg_in is not None:
+        tape.watch(reg_in)
+      out, *losses = self._forward[k](x)
+      reg = reg_in
+      if losses:
+        reg = tf.add_n(([] if reg_in is None else [reg_in]) + losses)
+      if k == self.num_stages - 1:
+        share = step_core.shares(
+            self.task, out, ys[r * self.num_microbatches + i],
+            examples_per_update=self.examples_per_update,
+            regularization=None if reg is None else [reg],
+            contributors=self.num_replicas * self.num_microbatches)
+        target = share["loss"]
+        if loss_scale is not None:
+          target *= loss_scale
+    if k == self.num_stages - 1:
+      shares.append(share)
+      tapes[(k, i)] = (tape, x, reg_in, [target])
+      return [target] + list(share.values())
+    outputs = [out] + ([] if reg is None else [reg])
+    tapes[(k, i)] = (tape, x, reg_in, outputs)
+    sent[(k, "F", i)] = (out, reg)
+    return outputs
 
-  def _backward_action(self, r, k, i, grad_out, tapes, outputs, accum):
-    """B i on stage k of replica r; returns the tensors that end it."""
-    tape, inp, out = tapes.pop((k, i))
+  def _backward_action(self, r, k, i, grad_out, tapes, sent, accum):
+    """B i on stage k of replica r; returns the tensors that end it.
+
+    `grad_out` is (d/d output, d/d regularisation or None) from stage k+1,
+    or (None, None) on the last stage, whose target is the loss itself.
+    """
+    tape, x, reg_in, targets = tapes.pop((k, i))
+    received = [x] + ([] if reg_in is None else [reg_in])
     variables = self.stage_variables[k]
-    sources = [inp] + variables
-    grads = tape.gradient(out, sources, output_gradients=grad_out,
+    output_gradients = None
+    if grad_out[0] is not None:
+      output_gradients = [g for g in grad_out if g is not None]
+    grads = tape.gradient(targets, received + variables,
+                          output_gradients=output_gradients,
                           unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    to_send = grads[:len(received)]
     if k > 0:
-      outputs[(k, "B", i)] = grads[0]
-    var_grads = [tf.convert_to_tensor(g) for g in grads[1:]]
+      sent[(k, "B", i)] = (to_send[0], to_send[1] if reg_in is not None
+                           else None)
+    var_grads = [tf.convert_to_tensor(g) for g in grads[len(received):]]
     if accum[r][k] is None:
       accum[r][k] = var_grads
     else:
       accum[r][k] = [a + g for a, g in zip(accum[r][k], var_grads)]
-    return ([grads[0]] if k > 0 else []) + accum[r][k]
+    return (to_send if k > 0 else []) + accum[r][k]
 
   def _reduce(self, accum) -> List[tf.Tensor]:
     """Sums each stage's gradients over the replicas, onto replica 0."""
@@ -251,6 +254,20 @@ class PipelineExecutor:
         grads += [tf.reshape(g, s) for g, s in
                   zip(tf.split(total, sizes), shapes)]
     return grads
+
+
+def _stage_fn(layers):
+  """The forward of a stage: its output, then its layers' regularisation
+  terms of this call (float32), as one flat tuple, which is what
+  `tf.recompute_grad` can wrap."""
+
+  def forward(x):
+    for layer in layers:
+      x = layer(x, training=True)
+    losses = [tf.cast(l, tf.float32) for layer in layers for l in layer.losses]
+    return (x, *losses)
+
+  return forward
 
 
 def bubble(starts: tf.Tensor, ends: tf.Tensor) -> tf.Tensor:

@@ -63,7 +63,7 @@ def check_split_points(points: Sequence[int], num_stages: int,
 
 
 def balance(costs: Sequence[float], num_stages: int) -> List[int]:
-  """Dataset points that minimise the largest stage's summed cost.
+  """Split points that minimise the largest stage's summed cost.
 
   Args:
     costs: one non-negative cost per layer, in order.
@@ -99,16 +99,19 @@ def layer_params(layer) -> int:
 
 
 def measure_layer_seconds(layers, input_shape, batch_size: int,
-                          repeats: int = 3) -> List[float]:
+                          repeats: int = 3,
+                          input_dtype: str = "float32") -> List[float]:
   """Forward+backward seconds of each layer on one micro-batch, in order.
 
   Each layer is run eagerly on random input of the shape its predecessor
   gives, once to warm up and then `repeats` times; the median is kept. This
   is rough (eager overhead, one device), but it ranks the layers, which is
-  what balancing needs.
+  what balancing needs. Integer inputs (token ids) are zeros.
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  x = tf.random.normal((batch_size,) + tuple(input_shape))
+  shape = (batch_size,) + tuple(input_shape)
+  x = (tf.random.normal(shape) if input_dtype == "float32"
+       else tf.zeros(shape, input_dtype))
   seconds = []
   for layer in layers:
     def run(x=x, layer=layer):
@@ -131,8 +134,9 @@ def measure_layer_seconds(layers, input_shape, batch_size: int,
 
 
 def choose(method: str, layers, num_stages: int, split_points_text: str,
-           declared: Optional[dict], input_shape,
-           microbatch_size: int) -> Tuple[List[Stage], str]:
+           declared: Optional[Sequence[int]], input_shape,
+           microbatch_size: int,
+           input_dtype: str = "float32") -> Tuple[List[Stage], str]:
   """Cuts `layers` into stages as `--stage_split` says.
 
   Args:
@@ -140,8 +144,9 @@ def choose(method: str, layers, num_stages: int, split_points_text: str,
     layers: the model's built layers, in order.
     num_stages: K.
     split_points_text: `--split_points`, for "explicit".
-    declared: the model builder's `split_points` dict ({K: points}), if any.
-    input_shape: one example's shape, for timing the layers.
+    declared: the model's own split points for K
+      (`models.split_points_for`), or None.
+    input_shape, input_dtype: one example's, for timing the layers.
     microbatch_size: examples per micro-batch, for timing the layers.
 
   Returns:
@@ -154,24 +159,26 @@ def choose(method: str, layers, num_stages: int, split_points_text: str,
   if num_stages > n:
     raise UserError(f"--num_stages={num_stages} but the model has only {n} "
                     "layers; use fewer stages")
-  seconds = measure_layer_seconds(layers, input_shape, microbatch_size)
+  seconds = measure_layer_seconds(layers, input_shape, microbatch_size,
+                                  input_dtype=input_dtype)
   params = [layer_params(layer) for layer in layers]
   if method == "explicit":
     points, how = parse_split_points(split_points_text), "explicit"
   elif method == "params":
     # A small epsilon per layer keeps parameter-free layers from being free.
     points, how = balance([p + 1e-3 for p in params], num_stages), "params"
-  elif declared and num_stages in declared:
-    points, how = list(declared[num_stages]), "the model's own split"
+  elif declared is not None:
+    points, how = list(declared), "the model's own split"
   else:
     points, how = balance(seconds, num_stages), "measured time"
   check_split_points(points, num_stages, n)
   bounds = [0] + list(points) + [n]
-  stages = [Stage(k, bounds[k], bounds[k + 1],
-                  tuple(layer.name for layer in layers[bounds[k]:bounds[k + 1]]),
-                  sum(params[bounds[k]:bounds[k + 1]]),
-                  sum(seconds[bounds[k]:bounds[k + 1]]))
-            for k in range(num_stages)]
+  stages = []
+  for k in range(num_stages):
+    part = slice(bounds[k], bounds[k + 1])
+    stages.append(Stage(k, bounds[k], bounds[k + 1],
+                        tuple(layer.name for layer in layers[part]),
+                        sum(params[part]), sum(seconds[part])))
   return stages, how
 
 

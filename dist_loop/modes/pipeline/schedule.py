@@ -1,50 +1,306 @@
-"""Pipeline schedules as data: for each stage, the ordered list of its actions.
+"""Pipeline schedules as data: for each device, the ordered list of its actions.
 
-An action is `F i` (the forward of micro-batch i on that stage) or `B i` (its
-backward). A schedule says only the ORDER of the actions on each stage; the
-data dependencies between stages are implied (F i on stage k needs F i on
-stage k-1; B i on stage k needs F i on stage k and B i on stage k+1). The
-executor runs a schedule as given, so a schedule can be printed, tested,
-simulated and drawn before any TensorFlow runs. A new schedule is one
-function registered in `SCHEDULES`:
+The model is cut into C *chunks* of consecutive layers; the schedule's
+`placement` says which device holds each chunk (V = C/K chunks per device;
+V=1 for GPipe and 1F1B, where chunk k is stage k on device k). An action
+works on one (chunk, micro-batch):
+
+* `F`: the chunk's forward;
+* `I`: the input gradient: the gradient sent to the previous chunk, and the
+  gradients at the points where the weights join the data (kept for W);
+* `W`: the chunk's weight gradients, from what I kept;
+* `B`: the whole backward, I then W in one action.
+
+A schedule says only the ORDER of the actions on each device; the data
+dependencies are implied (F of chunk c needs F of chunk c-1; I or B of chunk c
+needs its F and the I or B of chunk c+1; W needs its I). The executor runs a
+schedule as given, so a schedule can be printed, tested, simulated
+(`simulator.py`) and drawn before any TensorFlow runs. A new schedule is one
+function registered in `SCHEDULES`; it returns a `Schedule`, or, for one chunk
+per device, just a list of per-stage action lists:
 
     @SCHEDULES.register("my_schedule")
     def my_schedule(num_stages, num_microbatches) -> Schedule: ...
+
+A builder that also takes `virtual_stages` (interleaved, ZB-V) is given
+`--virtual_stages`, 0 meaning its own default.
 """
 
 import dataclasses
-from typing import Dict, List, Tuple
+import inspect
+from typing import List, Sequence, Tuple
 
 from dist_loop.errors import UserError
 from dist_loop.registry import Registry
 
 FORWARD = "F"
 BACKWARD = "B"
+INPUT_GRAD = "I"
+WEIGHT_GRAD = "W"
+KINDS = (FORWARD, INPUT_GRAD, WEIGHT_GRAD, BACKWARD)
+AUTO = "auto"  # --pipeline_schedule=auto: the planner picks (`planner.py`).
 
 
 @dataclasses.dataclass(frozen=True)
 class Action:
-  """One unit of work of one stage: `F 3` or `B 3`."""
+  """One unit of work: `F 3` of a chunk. `chunk` -1 means the chunk of the
+  device whose list holds it (one-chunk schedules written per stage)."""
 
-  kind: str  # FORWARD or BACKWARD
+  kind: str  # One of KINDS.
   microbatch: int
+  chunk: int = -1
 
   def __str__(self) -> str:
     return f"{self.kind}{self.microbatch}"
 
 
-Schedule = List[List[Action]]  # schedule[stage] = that stage's actions, in order.
+def F(i: int, chunk: int = -1) -> Action:  # pylint: disable=invalid-name
+  return Action(FORWARD, i, chunk)
+
+
+def B(i: int, chunk: int = -1) -> Action:  # pylint: disable=invalid-name
+  return Action(BACKWARD, i, chunk)
+
+
+def I(i: int, chunk: int = -1) -> Action:  # pylint: disable=invalid-name
+  return Action(INPUT_GRAD, i, chunk)
+
+
+def W(i: int, chunk: int = -1) -> Action:  # pylint: disable=invalid-name
+  return Action(WEIGHT_GRAD, i, chunk)
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+  """Per-device action lists (every action's chunk set) and chunk -> device.
+
+  Iterating gives the per-device lists, so a one-chunk schedule reads like
+  the per-stage lists it was written as.
+  """
+
+  devices: Tuple[Tuple[Action, ...], ...]
+  placement: Tuple[int, ...]
+
+  @classmethod
+  def of(cls, devices: Sequence[Sequence[Action]],
+         placement: Sequence[int] = None) -> "Schedule":
+    """From lists; actions with chunk -1 get their device's only chunk."""
+    placement = tuple(range(len(devices)) if placement is None
+                      else placement)
+    own = {d: [c for c, p in enumerate(placement) if p == d]
+           for d in range(len(devices))}
+    fixed = []
+    for d, actions in enumerate(devices):
+      row = []
+      for a in actions:
+        if a.chunk < 0:
+          if len(own[d]) != 1:
+            raise UserError(f"device {d} holds chunks {own[d]}: its action "
+                            f"{a} must name its chunk")
+          a = dataclasses.replace(a, chunk=own[d][0])
+        row.append(a)
+      fixed.append(tuple(row))
+    return cls(tuple(fixed), placement)
+
+  @property
+  def num_devices(self) -> int:
+    return len(self.devices)
+
+  @property
+  def num_chunks(self) -> int:
+    return len(self.placement)
+
+  @property
+  def virtual_stages(self) -> int:
+    return self.num_chunks // max(self.num_devices, 1)
+
+  def kinds(self) -> set:
+    return {a.kind for row in self.devices for a in row}
+
+  def label(self, action: Action) -> str:
+    """`F3`, or `F3.1` (the device's second chunk) when devices hold more
+    than one chunk."""
+    if self.virtual_stages == 1:
+      return str(action)
+    local = [c for c, p in enumerate(self.placement)
+             if p == self.placement[action.chunk]].index(action.chunk)
+    return f"{action}.{local}"
+
+  def __iter__(self):
+    return iter([list(row) for row in self.devices])
+
+  def __len__(self) -> int:
+    return len(self.devices)
+
+  def __getitem__(self, device: int) -> List[Action]:
+    return list(self.devices[device])
+
 
 SCHEDULES: Registry = Registry("pipeline schedule", "pipeline_schedule")
 
 
-def F(i: int) -> Action:  # pylint: disable=invalid-name
-  return Action(FORWARD, i)
+class ScheduleChoices:
+  """What --pipeline_schedule accepts: a registered schedule, or auto."""
+
+  def names(self) -> List[str]:
+    return [AUTO] + SCHEDULES.names()
+
+  def __contains__(self, name: str) -> bool:
+    return name == AUTO or name in SCHEDULES
 
 
-def B(i: int) -> Action:  # pylint: disable=invalid-name
-  return Action(BACKWARD, i)
+def takes_virtual_stages(name: str) -> bool:
+  return "virtual_stages" in inspect.signature(
+      SCHEDULES.get(name)).parameters
 
+
+def make(name: str, num_stages: int, num_microbatches: int,
+         virtual_stages: int = 0) -> Schedule:
+  """The registered schedule `name` for (K, M, V), checked by `validate`.
+
+  Raises:
+    UserError: the schedule does not exist or cannot run (K, M, V).
+  """
+  builder = SCHEDULES.get(name)
+  if takes_virtual_stages(name):
+    schedule = builder(num_stages, num_microbatches,
+                       virtual_stages=virtual_stages)
+  elif virtual_stages > 1:
+    raise UserError(f"--pipeline_schedule={name} puts one chunk of layers "
+                    f"on each device, not --virtual_stages={virtual_stages}; "
+                    "drop --virtual_stages or use interleaved_1f1b")
+  else:
+    schedule = builder(num_stages, num_microbatches)
+  if not isinstance(schedule, Schedule):
+    schedule = Schedule.of(schedule)
+  validate(schedule, num_stages, num_microbatches)
+  return schedule
+
+
+def validate(schedule, num_stages: int, num_microbatches: int) -> None:
+  """Raises UserError unless `schedule` is complete and can run.
+
+  Complete: each chunk's device runs, for every micro-batch, F once and
+  either B once or I and W once each, F before I or B, I before W.
+  Runnable: following the per-device orders with the dependencies between
+  chunks never deadlocks (`execution_order`).
+  """
+  if not isinstance(schedule, Schedule):
+    schedule = Schedule.of(schedule)
+  if schedule.num_devices != num_stages:
+    raise UserError(f"schedule has {schedule.num_devices} devices, expected "
+                    f"{num_stages}")
+  if sorted(set(schedule.placement)) != list(range(num_stages)):
+    raise UserError(f"schedule places its chunks on devices "
+                    f"{list(schedule.placement)}: every device needs one")
+  seen = {}
+  for d, actions in enumerate(schedule.devices):
+    for a in actions:
+      key = (a.chunk, a.microbatch)
+      if not (0 <= a.chunk < schedule.num_chunks
+              and 0 <= a.microbatch < num_microbatches):
+        raise UserError(f"device {d} runs {a} of chunk {a.chunk}, outside "
+                        f"{schedule.num_chunks} chunks x {num_microbatches} "
+                        "micro-batches")
+      if schedule.placement[a.chunk] != d:
+        raise UserError(f"device {d} runs {a} of chunk {a.chunk}, which is "
+                        f"on device {schedule.placement[a.chunk]}")
+      seen.setdefault(key, []).append(a.kind)
+  for c in range(schedule.num_chunks):
+    for i in range(num_microbatches):
+      kinds = seen.get((c, i), [])
+      if kinds not in ([FORWARD, BACKWARD],
+                       [FORWARD, INPUT_GRAD, WEIGHT_GRAD]):
+        what = " ".join(kinds) or "nothing"
+        raise UserError(
+            f"chunk {c} of the schedule does not run F i and B i (or F, I, W)"
+            f" exactly once, in that order, for micro-batch {i}: {what}")
+  execution_order(schedule)
+
+
+# What finishing an action makes available, and what an action needs:
+# ("F", c, i) the activations; ("G", c, i) the gradient for chunk c-1.
+def provides(action: Action) -> List[Tuple[str, int, int]]:
+  c, i = action.chunk, action.microbatch
+  return {FORWARD: [("F", c, i)], INPUT_GRAD: [("G", c, i)],
+          WEIGHT_GRAD: [("W", c, i)],
+          BACKWARD: [("G", c, i), ("W", c, i)]}[action.kind]
+
+
+def needs(action: Action, num_chunks: int) -> List[Tuple[str, int, int]]:
+  c, i = action.chunk, action.microbatch
+  if action.kind == FORWARD:
+    return [("F", c - 1, i)] if c > 0 else []
+  if action.kind == WEIGHT_GRAD:
+    return [("G", c, i)]
+  return [("F", c, i)] + ([("G", c + 1, i)] if c < num_chunks - 1 else [])
+
+
+def execution_order(schedule: Schedule) -> List[Tuple[int, Action]]:
+  """All (device, action) pairs in an order that respects every dependency
+  and each device's own order (round-robin over the devices that can go).
+  The executor creates its ops in this order.
+
+  Raises:
+    UserError: the schedule deadlocks (a device waits for work that waits
+      for it).
+  """
+  rows = schedule.devices
+  position = [0] * len(rows)
+  ready = set()
+  order = []
+  total = sum(len(a) for a in rows)
+  while len(order) < total:
+    progressed = False
+    for d, actions in enumerate(rows):
+      while position[d] < len(actions):
+        action = actions[position[d]]
+        if not all(n in ready
+                   for n in needs(action, schedule.num_chunks)):
+          break
+        ready.update(provides(action))
+        order.append((d, action))
+        position[d] += 1
+        progressed = True
+    if not progressed:
+      stuck = ", ".join(f"device {d} at {schedule.label(rows[d][position[d]])}"
+                        for d in range(len(rows))
+                        if position[d] < len(rows[d]))
+      raise UserError(f"the pipeline schedule deadlocks: {stuck}")
+  return order
+
+
+def peak_activations(actions: Sequence[Action]) -> int:
+  """Most (chunk, micro-batch) activations a device holds at once: from
+  its F until its B or W."""
+  alive, peak = 0, 0
+  for action in actions:
+    if action.kind == FORWARD:
+      alive += 1
+    elif action.kind in (BACKWARD, WEIGHT_GRAD):
+      alive -= 1
+    peak = max(peak, alive)
+  return peak
+
+
+def bubble_formula(num_stages: int, num_microbatches: int) -> float:
+  """GPipe's idle fraction (K-1)/(M+K-1), for equal stages."""
+  return (num_stages - 1) / (num_microbatches + num_stages - 1)
+
+
+def format_schedule(schedule: Schedule) -> str:
+  """One line per device: `device 0: F0 F1 B0 F2 B1 ...`."""
+  if not isinstance(schedule, Schedule):
+    schedule = Schedule.of(schedule)
+  lines = []
+  for d, actions in enumerate(schedule.devices):
+    chunks = [c for c, p in enumerate(schedule.placement) if p == d]
+    lines.append(f"device {d} (chunks {','.join(map(str, chunks))}): "
+                 + " ".join(schedule.label(a) for a in actions))
+  return "\n".join(lines)
+
+
+# -- the one-chunk schedules --
 
 @SCHEDULES.register("gpipe")
 def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
@@ -55,8 +311,9 @@ def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
   of all M micro-batches at the turn.
   """
   m = num_microbatches
-  return [[F(i) for i in range(m)] + [B(i) for i in reversed(range(m))]
-          for _ in range(num_stages)]
+  return Schedule.of([[F(i) for i in range(m)]
+                      + [B(i) for i in reversed(range(m))]
+                      for _ in range(num_stages)])
 
 
 @SCHEDULES.register("1f1b")
@@ -68,13 +325,13 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
   finishes with the remaining backwards. Stage k so holds at most K-k
   micro-batches of activations, against M for GPipe, at the same bubble.
   """
-  return warmup_then_alternate(
+  return Schedule.of(warmup_then_alternate(
       [min(num_stages - k - 1, num_microbatches) for k in range(num_stages)],
-      num_microbatches)
+      num_microbatches))
 
 
 def warmup_then_alternate(warmups: List[int],
-                          num_microbatches: int) -> Schedule:
+                          num_microbatches: int) -> List[List[Action]]:
   """The 1F1B family: stage k runs `warmups[k]` forwards, then alternates
   one forward and one backward, then drains the remaining backwards. 1F1B
   and its variants differ only in the warm-up depths."""
@@ -88,118 +345,3 @@ def warmup_then_alternate(warmups: List[int],
     schedule.append(actions)
   return schedule
 
-
-def make(name: str, num_stages: int, num_microbatches: int) -> Schedule:
-  """The registered schedule `name` for (K, M), checked by `validate`."""
-  schedule = SCHEDULES.get(name)(num_stages, num_microbatches)
-  validate(schedule, num_stages, num_microbatches)
-  return schedule
-
-
-def validate(schedule: Schedule, num_stages: int,
-             num_microbatches: int) -> None:
-  """Raises UserError unless `schedule` is complete and can run.
-
-  Complete: each stage runs F i and B i exactly once for every micro-batch,
-  F i before B i. Runnable: following the per-stage orders with the
-  cross-stage dependencies never deadlocks (checked by `simulate`).
-  """
-  if len(schedule) != num_stages:
-    raise UserError(f"schedule has {len(schedule)} stages, expected "
-                    f"{num_stages}")
-  want = sorted([F(i) for i in range(num_microbatches)]
-                + [B(i) for i in range(num_microbatches)], key=str)
-  for k, actions in enumerate(schedule):
-    if sorted(actions, key=str) != want:
-      raise UserError(f"stage {k} of the schedule does not run F i and B i "
-                      f"exactly once for i < {num_microbatches}: "
-                      f"{' '.join(map(str, actions))}")
-    for i in range(num_microbatches):
-      if actions.index(B(i)) < actions.index(F(i)):
-        raise UserError(f"stage {k} runs B{i} before F{i}")
-  simulate(schedule)
-
-
-def dependencies(stage: int, action: Action,
-                 num_stages: int) -> List[Tuple[int, Action]]:
-  """The (stage, action) pairs whose outputs `action` on `stage` consumes."""
-  i = action.microbatch
-  if action.kind == FORWARD:
-    return [(stage - 1, F(i))] if stage > 0 else []
-  deps = [(stage, F(i))]
-  if stage < num_stages - 1:
-    deps.append((stage + 1, B(i)))
-  return deps
-
-
-def simulate(schedule: Schedule, forward_time: float = 1.0,
-             backward_time: float = 2.0
-             ) -> List[List[Tuple[Action, float, float]]]:
-  """Times every action as if each stage were its own device.
-
-  An action starts when its stage's previous action and its dependencies
-  have finished. Returns, per stage, (action, start, end) in stage order.
-  The executor creates its ops in the order of `execution_order`, the same
-  walk, so the graph can always be built.
-
-  Raises:
-    UserError: the schedule deadlocks (a stage waits for work that waits for
-      it).
-  """
-  num_stages = len(schedule)
-  done: Dict[Tuple[int, Action], float] = {}
-  timeline: List[List[Tuple[Action, float, float]]] = [[] for _ in schedule]
-  for stage, action in execution_order(schedule):
-    start = max([timeline[stage][-1][2] if timeline[stage] else 0.0]
-                + [done[d] for d in dependencies(stage, action, num_stages)])
-    end = start + (forward_time if action.kind == FORWARD else backward_time)
-    done[(stage, action)] = end
-    timeline[stage].append((action, start, end))
-  return timeline
-
-
-def execution_order(schedule: Schedule) -> List[Tuple[int, Action]]:
-  """All (stage, action) pairs in an order that respects every dependency
-  and each stage's own order (round-robin over the stages that can go)."""
-  num_stages = len(schedule)
-  position = [0] * num_stages
-  seen = set()
-  order = []
-  total = sum(len(a) for a in schedule)
-  while len(order) < total:
-    progressed = False
-    for k in range(num_stages):
-      while position[k] < len(schedule[k]):
-        action = schedule[k][position[k]]
-        if not all(d in seen for d in dependencies(k, action, num_stages)):
-          break
-        seen.add((k, action))
-        order.append((k, action))
-        position[k] += 1
-        progressed = True
-    if not progressed:
-      stuck = ", ".join(f"stage {k} at {schedule[k][position[k]]}"
-                        for k in range(num_stages)
-                        if position[k] < len(schedule[k]))
-      raise UserError(f"the pipeline schedule deadlocks: {stuck}")
-  return order
-
-
-def peak_activations(actions: List[Action]) -> int:
-  """Most micro-batches whose forward ran but backward not yet, on a stage."""
-  alive, peak = 0, 0
-  for action in actions:
-    alive += 1 if action.kind == FORWARD else -1
-    peak = max(peak, alive)
-  return peak
-
-
-def bubble_formula(num_stages: int, num_microbatches: int) -> float:
-  """GPipe's idle fraction (K-1)/(M+K-1), for equal stages."""
-  return (num_stages - 1) / (num_microbatches + num_stages - 1)
-
-
-def format_schedule(schedule: Schedule) -> str:
-  """One line per stage: `stage 0: F0 F1 B0 F2 B1 ...`."""
-  return "\n".join(f"stage {k}: {' '.join(map(str, actions))}"
-                   for k, actions in enumerate(schedule))

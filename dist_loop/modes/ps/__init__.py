@@ -1,3 +1,4 @@
-"""Parameter-server training."""
-from dist_loop.modes.ps.trainer import *  # noqa: F401,F403
-from dist_loop.modes.ps.trainer import PSTrainer  # noqa: F401
+"""Parameter-server training (--mode=ps): the chief's trainer, the servers."""
+from dist_loop.modes.ps.trainer import PSTrainer  # Registers the mode.
+
+__all__ = ["PSTrainer"]

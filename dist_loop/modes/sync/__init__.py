@@ -1,3 +1,6 @@
-"""Synchronous data parallelism."""
-from dist_loop.modes.sync.trainer import *  # noqa: F401,F403
-from dist_loop.modes.sync.trainer import SyncTrainer, make_strategy  # noqa: F401
+"""Synchronous data parallelism (`--mode=sync`)."""
+
+from dist_loop.modes.sync.trainer import SyncTrainer  # Registers the mode.
+from dist_loop.modes.sync.trainer import make_strategy
+
+__all__ = ["SyncTrainer", "make_strategy"]

@@ -3,20 +3,35 @@
 import dataclasses
 from typing import Optional
 
+from dist_loop.compression import COMPRESSORS
 from dist_loop.options import option
 from dist_loop.straggler import straggler_option
-
-COMPRESSIONS = ("none", "fp16", "bf16")
 
 
 @dataclasses.dataclass(frozen=True)
 class SyncOptions:
-  """How the one explicit all-reduce of a synchronous step is done."""
+  """How the one explicit all-reduce of a synchronous step is done.
+
+  An option of a compressor other than the chosen one must keep its default
+  (`compression.check_options`): it would be ignored.
+  """
 
   allreduce_bytes_per_pack: int = option(
       0, "Pack gradients into chunks of this many bytes for the all-reduce "
       "(0: TensorFlow decides).", lower=0)
   allreduce_compression: str = option(
-      "none", "Cast gradients to this dtype for the all-reduce.",
-      choices=COMPRESSIONS)
+      "none", "How gradients travel through the all-reduce: none (exact), "
+      "fp16 or bf16 (cast), powersgd (rank --powersgd_rank, error "
+      "feedback), topk (--topk_fraction of the entries, error feedback), "
+      "or a registered extension.", choices=COMPRESSORS, layout=True)
+  powersgd_rank: int = option(
+      4, "Rank of PowerSGD's factors P and Q (with "
+      "--allreduce_compression=powersgd).", lower=1, layout=True)
+  powersgd_start_step: int = option(
+      0, "PowerSGD sums the steps before this one exactly (a warm-up).",
+      lower=0)
+  topk_fraction: float = option(
+      0.01, "Fraction of each matrix's entries that top-k sends, per "
+      "replica (with --allreduce_compression=topk; 1 is exact).", lower=0.0,
+      upper=1.0)
   straggler: Optional[str] = straggler_option()

@@ -1,28 +1,38 @@
 """Synchronous data parallelism: MirroredStrategy and one explicit all-reduce.
 
-Each replica computes its loss scaled to the global batch (sum over its
-examples / global batch), so that the SUM over replicas of its gradients is
-the gradient of the global-batch mean. The gradients are all-reduced exactly
-once, in replica context (`allreduce.all_reduce_sum`), and applied with
-`optim.apply_reduced`, which does not reduce again. `steps_per_loop` steps run
-inside one `tf.function` call, so the host is visited once per loop.
+Each replica differentiates its share of the step's mean loss (the step
+core, `dist_loop/step.py`: a replica's `grad_accum_steps` micro-batches are
+`replicas x grad_accum_steps` contributors), so that the SUM over replicas
+of its gradients is the gradient of the global-batch mean. The gradients are
+all-reduced exactly once, in replica context, by the run's compressor
+(`--allreduce_compression`, `dist_loop/compression`), and applied with
+`optim.apply_reduced`, which does not reduce again. `steps_per_loop` steps
+run inside one `tf.function` call (`step.run_steps`), so the host is
+visited once per loop.
+
+A compressor with state (error feedback) keeps it per replica and writes it
+only when the step is applied; it is the checkpoint's `compression` entry,
+so without one the checkpoint holds what it always did. Such a compressor
+gets unscaled gradients (a residual outlives the loss scale it was computed
+under). A compressor's warm-up (`exact_steps`) is a `tf.cond` around
+`strategy.run`: a collective may not sit inside control flow within it.
 """
 
 import time
 from typing import Dict
 
-import keras
 import tensorflow as tf
 
-from dist_loop import allreduce, models, optim
-from dist_loop import precision as precision_lib
+from dist_loop import compression, models, optim
 from dist_loop import cluster as cluster_lib
 from dist_loop import devices as devices_lib
+from dist_loop import precision as precision_lib
+from dist_loop import step as step_lib
 from dist_loop import straggler as straggler_lib
 from dist_loop import strategy as strategy_lib
 from dist_loop.data import train_dataset_fn
 from dist_loop.errors import NonFiniteError, UserError
-from dist_loop.modes.base import MODES, Trainer
+from dist_loop.modes.base import MODES, Report, Reporting, Trainer
 from dist_loop.modes.sync.options import SyncOptions
 
 
@@ -46,11 +56,14 @@ def make_strategy(devices, collective_timeout_s: float = 120.0,
 
 
 @MODES.register("sync")
-class SyncTrainer(Trainer):
+class SyncTrainer(Trainer, Reporting):
   """`strategy.run(replica_step)` inside a `tf.function` loop."""
 
   Options = SyncOptions
   multi_process = True
+  precisions = precision_lib.PRECISIONS
+  grad_accumulation = True
+  skips_nonfinite = True
 
   @classmethod
   def num_replicas(cls, config, cluster):
@@ -71,25 +84,39 @@ class SyncTrainer(Trainer):
     super().validate(config, cluster)
     straggler_lib.check(config.mode_options.straggler,
                         cls.num_replicas(config, cluster), "replicas")
+    compression.check_options(config.mode_options)
 
   @classmethod
   def join_cluster(cls, config, cluster):
     if cluster.num_trainers > 1:
       strategy_lib.multi_worker(config.collective_timeout_s)
 
+  @classmethod
+  def cluster_error(cls, config, cluster, error):
+    if (not isinstance(error, strategy_lib.LOST_TASK_ERRORS)
+        or cluster.num_trainers <= 1):
+      return None
+    return cluster_lib.ClusterError(
+        f"a peer worker failed or is unreachable "
+        f"({cluster_lib.describe(error)}); every collective gives up after "
+        f"--collective_timeout_s={config.collective_timeout_s:g}. "
+        "Restart every worker with the same command: training resumes from "
+        "the last checkpoint")
+
   def __init__(self, config, devices, dataset, cluster):
     super().__init__(config, devices, dataset, cluster)
     self.is_chief = cluster.is_chief
     self.strategy = make_strategy(devices, config.collective_timeout_s,
                                   cluster.num_trainers)
-    if self.strategy.num_replicas_in_sync != self.num_replicas(config,
-                                                               cluster):
+    replicas = self.strategy.num_replicas_in_sync
+    if replicas != self.num_replicas(config, cluster):
       raise UserError(
-          f"the strategy has {self.strategy.num_replicas_in_sync} replicas "
-          f"but --num_devices={config.num_devices} on each of "
-          f"{cluster.num_trainers} workers asks for "
-          f"{self.num_replicas(config, cluster)}; make every worker see "
-          "--num_devices devices")
+          f"the strategy has {replicas} replicas but --num_devices="
+          f"{config.num_devices} on each of {cluster.num_trainers} workers "
+          f"asks for {self.num_replicas(config, cluster)}; make every worker "
+          "see --num_devices devices")
+    # Every micro-batch of every replica is one share of the step.
+    self.contributors = replicas * config.grad_accum_steps
     with self.strategy.scope():
       self.model = models.build_for(config, dataset)
       self.optimizer = optim.make(config.optimizer, config.learning_rate,
@@ -98,16 +125,23 @@ class SyncTrainer(Trainer):
       self.step = tf.Variable(
           0, dtype=tf.int64, trainable=False, name="step",
           aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+    variables = self.model.trainable_variables
+    self.compressor = compression.make(self.options, variables, config.seed)
+    self.exact = compression.COMPRESSORS.get("none")(self.options, variables)
+    self.compression_state = compression.State(
+        self.strategy, self.compressor.initial_state())
+    self.float32_bytes = compression.wire.float32_bytes_per_step(variables)
     self.trace_count = 0
     self.straggler = straggler_lib.parse(self.options.straggler)
     self._iterator = None
     self._on_master_fns = {}
     self._loop = tf.function(self._loop_fn)
 
-  # Capabilities that Trainer.validate_config checks.
-  precisions = precision_lib.PRECISIONS
-  grad_accumulation = True
-  skips_nonfinite = True
+  def checkpoint_items(self):
+    items = super().checkpoint_items()
+    if self.compression_state:
+      items["compression"] = self.compression_state.checkpoint
+    return items
 
   def on_restore(self):
     self._iterator = None  # Rebuilt from the restored step.
@@ -130,106 +164,55 @@ class SyncTrainer(Trainer):
 
   # -- the replica step: a function of (batch) on the replica's variables --
 
-  def _replica_step(self, x, y):
-    cfg = self.config
+  def _replica_step(self, x, y, compressor):
     variables = self.model.trainable_variables
     scale = self.loss_scale.scale if self.loss_scale is not None else None
-    loss, correct, grads = self._accumulated_gradients(x, y, scale)
-    grads = allreduce.all_reduce_sum(grads, self.options.allreduce_compression,
-                                     self.options.allreduce_bytes_per_pack)
+    shares, grads = step_lib.accumulated_gradients(
+        self.task, self.model, x, y, chunks=self.config.grad_accum_steps,
+        examples_per_update=self.examples_per_step,
+        contributors=self.contributors, scale=scale)
+    stateful = compressor is self.compressor and self.compression_state
+    state = self.compression_state.read() if stateful else {}
+    if stateful and scale is not None:
+      grads, scale = [g / scale for g in grads], None
+    grads, state = compressor.reduce(grads, state, self.step.read_value())
     grads, ok = precision_lib.unscale_and_apply(
         self.optimizer, grads, variables, self.loss_scale, scale)
-    return {"loss": loss, "accuracy": correct / self.examples_per_step,
-            "grad_norm": tf.linalg.global_norm(grads), "ok": ok}
-
-  def _gradients(self, x, y, scale):
-    """One micro-batch: its share of the step's mean loss, its correct
-    predictions, and the (scaled) gradients of that share."""
-    with tf.GradientTape() as tape:
-      logits = tf.cast(self.model(x, training=True), tf.float32)
-      per_example = keras.losses.sparse_categorical_crossentropy(
-          y, logits, from_logits=True)
-      loss = tf.reduce_sum(per_example) / self.examples_per_step
-      if self.model.losses:  # Regularisers: once per step, split up.
-        loss += tf.add_n(self.model.losses) / (
-            self.strategy.num_replicas_in_sync * self.config.grad_accum_steps)
-      scaled = loss if scale is None else loss * scale
-    grads = tape.gradient(scaled, self.model.trainable_variables)
-    correct = tf.reduce_sum(tf.cast(
-        tf.equal(tf.argmax(logits, -1, output_type=tf.int32),
-                 tf.cast(y, tf.int32)), tf.float32))
-    return loss, correct, grads
-
-  def _accumulated_gradients(self, x, y, scale):
-    """Sums the gradients of `grad_accum_steps` micro-batches of the
-    replica's batch, one after the other, so that only one micro-batch of
-    activations is alive at a time. The all-reduce comes after, once."""
-    n = self.config.grad_accum_steps
-    if n == 1:
-      return self._gradients(x, y, scale)
-    xs = tf.reshape(x, tf.concat([[n, -1], tf.shape(x)[1:]], 0))
-    ys = tf.reshape(y, [n, -1])
-    loss, correct, grads = self._gradients(xs[0], ys[0], scale)
-    for i in tf.range(1, n):
-      l, c, g = self._gradients(xs[i], ys[i], scale)
-      loss, correct = loss + l, correct + c
-      grads = [a + b for a, b in zip(grads, g)]
-    return loss, correct, grads
+    if stateful:
+      self.compression_state.write(state, ok)
+    return shares, tf.linalg.global_norm(grads), ok
 
   # -- the inner loop: num_steps steps in one tf.function call --
 
+  def _step_fn(self, batch):
+    exact_steps = self.compressor.exact_steps
+    if not exact_steps:
+      return self._run_step(batch, self.compressor)
+    return tf.cond(self.step < exact_steps,
+                   lambda: self._run_step(batch, self.exact),
+                   lambda: self._run_step(batch, self.compressor))
+
+  def _run_step(self, batch, compressor):
+    s = self.strategy
+    shares, grad_norm, ok = s.run(self._replica_step,
+                                  args=(*batch, compressor))
+    metrics = {k: s.reduce(tf.distribute.ReduceOp.SUM, v, axis=None)
+               for k, v in shares.items()}
+    metrics["grad_norm"] = s.reduce(tf.distribute.ReduceOp.MEAN, grad_norm,
+                                    axis=None)
+    # `ok` follows the all-reduce, so every replica has the same.
+    return metrics, s.experimental_local_results(ok)[0], ()
+
   def _loop_fn(self, iterator, num_steps):
     self.trace_count += 1  # Python side effect: runs once per trace.
-    s = self.strategy
-    total = {"loss": 0.0, "accuracy": 0.0, "grad_norm": 0.0}
-    done = tf.constant(0, tf.int64)
-    skipped = tf.constant(0, tf.int64)
-    bad_step = tf.constant(-1, tf.int64)
-    # With loss scaling, an overflow is expected now and then: that step is
-    # skipped on every replica and the scale drops. With --nonfinite=skip,
-    # any non-finite step is. Otherwise it stops the loop and is raised.
-    skip_all = self.config.nonfinite == "skip"
-    may_skip = skip_all or self.loss_scale is not None
-    for _ in tf.range(num_steps):
-      out = s.run(self._replica_step, args=next(iterator))
-      self.step.assign_add(1)
-      ok = s.experimental_local_results(out["ok"])[0]
-      loss = s.reduce(tf.distribute.ReduceOp.SUM, out["loss"], axis=None)
-      loss_ok = tf.math.is_finite(loss)
-      if not (loss_ok or skip_all) or not (ok or may_skip):
-        bad_step = self.step.read_value()
-        break
-      done += 1
-      if not (ok and loss_ok):
-        skipped += 1
-        continue
-      total = {
-          "loss": total["loss"] + loss,
-          "accuracy": total["accuracy"] + s.reduce(
-              tf.distribute.ReduceOp.SUM, out["accuracy"], axis=None),
-          "grad_norm": total["grad_norm"] + s.reduce(
-              tf.distribute.ReduceOp.MEAN, out["grad_norm"], axis=None),
-      }
-    n = tf.maximum(tf.cast(done - skipped, tf.float32), 1.0)
-    means = {k: v / n for k, v in total.items()}
-    means["skipped_steps"] = tf.cast(skipped, tf.float32)
-    if self.loss_scale is not None:
-      means["loss_scale"] = self.loss_scale.scale.read_value()
+    means, bad_step, _ = step_lib.run_steps(
+        self._step_fn, iterator, num_steps, self.step,
+        keys=self.task.metric_names + ("grad_norm",),
+        nonfinite=self.config.nonfinite, loss_scale=self.loss_scale)
     return means, bad_step
 
-  @classmethod
-  def cluster_error(cls, config, cluster, error):
-    if (not isinstance(error, strategy_lib.LOST_TASK_ERRORS)
-        or cluster.num_trainers <= 1):
-      return None
-    return cluster_lib.ClusterError(
-        f"a peer worker failed or is unreachable "
-        f"({cluster_lib.describe(error)}); every collective gives up after "
-        f"--collective_timeout_s={config.collective_timeout_s:g}. "
-        "Restart every worker with the same command: training resumes from "
-        "the last checkpoint")
-
   def train(self, num_steps: int) -> Dict[str, float]:
+    self.compression_state.apply()  # After a restore: each replica's own.
     if self._iterator is None:  # Built lazily: resumes at the restored step.
       fn = train_dataset_fn(self.dataset.train_x, self.dataset.train_y,
                             self.examples_per_step, self.config.seed,
@@ -245,6 +228,20 @@ class SyncTrainer(Trainer):
       # every step; tracing time is not compute, so a traced call is skipped.
       straggler_lib.sleep(self.straggler.delay(
           self.straggler.worker, time.perf_counter() - t0))
-    metrics = {f"train/{k}": float(v) for k, v in means.items()}
-    metrics["train/learning_rate"] = float(tf.convert_to_tensor(self.optimizer.learning_rate))
-    return metrics
+    means = {k: float(v) for k, v in means.items()}
+    task_means = {k: means.pop(k) for k in self.task.metric_names}
+    return {f"train/{k}": v
+            for k, v in {**self.task.report(task_means), **means}.items()}
+
+  # -- Reporting: bytes on the wire --
+
+  def report(self) -> Report:
+    step = int(self.step.numpy())
+    return Report(scalars=compression.wire.scalars(
+        self.compressor.bytes_at(max(step - 1, 0)), self.float32_bytes))
+
+  def summary(self) -> Dict[str, object]:
+    step = int(self.step.numpy())
+    total = self.compressor.bytes_total(step)
+    per_step = total / step if step else self.compressor.bytes_at(0)
+    return compression.wire.summary(per_step, total, self.float32_bytes)

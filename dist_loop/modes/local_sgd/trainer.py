@@ -1,0 +1,278 @@
+"""Local SGD and DiLoCo: H steps on each replica's own weights, then one sync.
+
+Each replica trains its own copy of the weights with its own inner optimizer
+(`--optimizer`) for `--sync_every=H` steps on its shard of each global batch,
+without communicating. Then the replicas all-reduce the pseudo-gradient,
+an outer optimizer applies it to the synchronised weights, and every replica
+restarts from them (`outer.synchronise`). `--outer_optimizer=average` with
+`--outer_learning_rate=1` is periodic model averaging, which with H=1 is
+synchronous SGD; `nesterov` with 0.7 and 0.9 is DiLoCo.
+
+Where the weights live. The run builds the model twice under one strategy
+(MirroredStrategy, or MultiWorkerMirroredStrategy across processes, as sync
+mode picks it). `model` holds the synchronised weights: it changes only at a
+synchronisation, alike on every replica, so evaluation, histograms and
+checkpoints read it as in every other mode. `replica_model` is the working
+copy: its mirrored components are per-replica storage (`replicas.py`), and
+the inner optimizer built over it has per-replica slots the same way. The
+inner step is the step core's gradient of the replica's own batch mean
+(one contributor, `examples_per_update` = the replica's batch), applied with
+`optim.apply_reduced`, which reduces nothing: each component takes its own
+replica's update. This keeps one strategy, one sharded input pipeline and
+the step core, and spans processes unchanged. The alternatives lose that:
+ON_READ variables checkpoint and read back as one aggregate, and a model per
+device outside the strategy cannot span processes.
+
+Communication. Only a synchronisation all-reduces: `bytes_per_sync`, the
+pseudo-gradient (and any non-trainable float weights), which `report` and
+`summary` count per step under the names every all-reducing mode uses
+(`compression.wire`: `comm/bytes_per_step`, and its ratio to what float32
+sync sends). Not counted, as in sync mode: the loop's metrics, which
+are summed per replica and reduced once per `train` call (so inner steps
+run no collective, even across processes), and the gather of the replicas'
+state when a checkpoint is saved. A non-finite step is not applied on its
+replica and is reported when the call ends. `train/grad_norm` is the mean
+over replicas of the norm of each replica's own gradient.
+
+`--train_steps` counts inner steps and must be a multiple of H, so that the
+last steps reach the model. Checkpoints hold `step`, `model` (the
+synchronised weights) and `optimizer` (the inner optimizer; its checkpoint
+holds the first replica's slots), as in every mode, plus `outer_optimizer`
+and `replicas` (every replica's weights and inner state). So a resume is
+exact, mid-period too (a checkpoint on SIGTERM, or a rollback), and a local
+SGD checkpoint restores in sync mode; a sync checkpoint lacks the last two
+items, so it does not restore here.
+"""
+
+from typing import Dict
+
+import tensorflow as tf
+
+from dist_loop import compression, models, optim
+from dist_loop import devices as devices_lib
+from dist_loop import step as step_lib
+from dist_loop.config import check_divisible
+from dist_loop.data import train_dataset_fn
+from dist_loop.errors import NonFiniteError, UserError
+from dist_loop.modes.base import MODES, Report, Reporting, Trainer
+from dist_loop.modes.local_sgd import outer, replicas
+from dist_loop.modes.local_sgd.options import LocalSGDOptions
+from dist_loop.modes.sync import SyncTrainer, make_strategy
+
+_NO_BAD_STEP = tf.int64.max
+
+
+@MODES.register("local_sgd")
+class LocalSGDTrainer(Trainer, Reporting):
+  """Inner steps in `strategy.run` without collectives; a sync every H."""
+
+  Options = LocalSGDOptions
+  multi_process = True
+  # float16 would need a loss scale per replica; bfloat16 needs none.
+  precisions = ("float32", "mixed_bfloat16")
+  grad_accumulation = True
+
+  @classmethod
+  def num_replicas(cls, config, cluster):
+    return SyncTrainer.num_replicas(config, cluster)
+
+  @classmethod
+  def validate(cls, config, cluster):
+    if cluster.num_ps:
+      raise UserError("TF_CONFIG has parameter servers ('ps' tasks); use a "
+                      "cluster of workers only for --mode=local_sgd")
+    if (cluster.num_trainers > 1 and config.num_devices > 1
+        and devices_lib.resolve_device_type(config.device_type) == "cpu"):
+      raise UserError(
+          f"--num_devices={config.num_devices}: MultiWorkerMirroredStrategy "
+          "runs one replica per worker on CPU; use --num_devices=1 and more "
+          "workers")
+    check_divisible(config.global_batch_size,
+                    cls.num_replicas(config, cluster))
+    _check_options(config.mode_options, config.train_steps)
+
+  @classmethod
+  def join_cluster(cls, config, cluster):
+    SyncTrainer.join_cluster(config, cluster)
+
+  @classmethod
+  def cluster_error(cls, config, cluster, error):
+    return SyncTrainer.cluster_error(config, cluster, error)
+
+  def __init__(self, config, devices, dataset, cluster):
+    super().__init__(config, devices, dataset, cluster)
+    self.is_chief = cluster.is_chief
+    self.strategy = make_strategy(devices, config.collective_timeout_s,
+                                  cluster.num_trainers)
+    self.replica_count = self.strategy.num_replicas_in_sync
+    if self.replica_count != self.num_replicas(config, cluster):
+      raise UserError(
+          f"the strategy has {self.replica_count} replicas but --num_devices="
+          f"{config.num_devices} on each of {cluster.num_trainers} workers "
+          f"asks for {self.num_replicas(config, cluster)}; make every worker "
+          "see --num_devices devices")
+    self.examples_per_replica = self.examples_per_step // self.replica_count
+    self.loss_scale = None
+    with self.strategy.scope():
+      # The synchronised weights first: the same initial weights as sync.
+      self.model = models.build_for(config, dataset)
+      self.replica_model = models.build_for(config, dataset)
+      self.optimizer = optim.make(config.optimizer, config.learning_rate,
+                                  self.replica_model.trainable_variables)
+      self.outer_optimizer = outer.make(self.options,
+                                        self.model.trainable_variables)
+      agg = tf.VariableAggregation.ONLY_FIRST_REPLICA
+      self.step = tf.Variable(0, dtype=tf.int64, trainable=False,
+                              name="step", aggregation=agg)
+      self.pseudo_gradient_norm = tf.Variable(
+          0.0, trainable=False, name="pseudo_gradient_norm", aggregation=agg)
+    for mine, synced in zip(self.replica_model.weights, self.model.weights):
+      mine.assign(synced)  # Cross-replica: every replica starts alike.
+    self.replica_state = replicas.ReplicaState(
+        self.strategy, self.replica_model.variables + self.optimizer.variables)
+    self.bytes_per_sync = outer.bytes_per_sync(self.model)
+    self.float32_bytes_per_step = compression.wire.float32_bytes_per_step(
+        self.model.trainable_variables)
+    self._iterator = None
+    self._on_master_fns = {}
+    self._loop = tf.function(self._loop_fn)
+
+  def checkpoint_items(self):
+    return {"step": self.step, "model": self.model,
+            "optimizer": self.optimizer,
+            "outer_optimizer": self.outer_optimizer,
+            "replicas": self.replica_state}
+
+  def on_restore(self):
+    self._iterator = None  # Rebuilt from the restored step.
+
+  def close(self):
+    self._iterator = None  # See SyncTrainer.close.
+
+  def scope(self):
+    return self.strategy.scope()
+
+  def on_master(self, fn, *args):
+    if fn not in self._on_master_fns:  # One tf.function per fn: no retrace.
+      self._on_master_fns[fn] = tf.function(
+          lambda *a: self.strategy.run(fn, args=a))
+    out = self._on_master_fns[fn](*args)
+    return tf.nest.map_structure(
+        lambda v: self.strategy.experimental_local_results(v)[0], out)
+
+  # -- the replica's inner step and the loop --
+
+  def _zeros(self):
+    totals = {k: tf.constant(0.0) for k in self._sum_keys}
+    totals["first_bad"] = tf.constant(_NO_BAD_STEP, tf.int64)
+    return totals
+
+  @property
+  def _sum_keys(self):
+    return self.task.metric_names + ("grad_norm", "bad_steps")
+
+  def _inner_step(self, batch, totals):
+    x, y = batch
+    chunks = self.config.grad_accum_steps
+    shares, grads = step_lib.accumulated_gradients(
+        self.task, self.replica_model, x, y, chunks=chunks,
+        examples_per_update=self.examples_per_replica, contributors=chunks)
+    ok = tf.logical_and(optim.all_finite(grads),
+                        tf.math.is_finite(shares["loss"]))
+    optim.apply_reduced(self.optimizer, grads,
+                        self.replica_model.trainable_variables, ok)
+    out = {k: totals[k] + shares[k] for k in self.task.metric_names}
+    out["grad_norm"] = totals["grad_norm"] + tf.linalg.global_norm(grads)
+    out["bad_steps"] = totals["bad_steps"] + tf.cast(~ok, tf.float32)
+    this_step = tf.convert_to_tensor(self.step) + 1
+    out["first_bad"] = tf.where(ok, totals["first_bad"],
+                                tf.minimum(totals["first_bad"], this_step))
+    return out
+
+  def _synchronise(self):
+    norm = outer.synchronise(self.model, self.replica_model,
+                             self.outer_optimizer)
+    replicas.write([self.pseudo_gradient_norm], [norm])
+
+  def _totals(self, totals):
+    """Replica context, once per call: sums over replicas, first bad step."""
+    ctx = tf.distribute.get_replica_context()
+    # Fresh tensors on the replica's device: the loop's outputs may have
+    # none, which a multi-worker collective refuses.
+    totals = {k: tf.identity(v) for k, v in totals.items()}
+    sums = ctx.all_reduce(tf.distribute.ReduceOp.SUM,
+                          {k: totals[k] for k in self._sum_keys})
+    firsts = ctx.all_gather(totals["first_bad"][None], axis=0)
+    return sums, tf.reduce_min(firsts)
+
+  def _loop_fn(self, iterator, num_steps):
+    s = self.strategy
+    totals = s.run(self._zeros)
+    for _ in tf.range(num_steps):
+      totals = s.run(self._inner_step, args=(next(iterator), totals))
+      self.step.assign_add(1)
+      if self.step % self.options.sync_every == 0:
+        s.run(self._synchronise)
+    sums, first_bad = s.run(self._totals, args=(totals,))
+    return tf.nest.map_structure(
+        lambda v: s.experimental_local_results(v)[0], (sums, first_bad))
+
+  def train(self, num_steps: int) -> Dict[str, float]:
+    self.replica_state.apply()  # After a restore: each replica's own state.
+    if self._iterator is None:  # Built lazily: resumes at the restored step.
+      fn = train_dataset_fn(self.dataset.train_x, self.dataset.train_y,
+                            self.examples_per_step, self.config.seed,
+                            start_step=int(self.step.numpy()))
+      self._iterator = iter(self.strategy.distribute_datasets_from_function(fn))
+    sums, first_bad = self._loop(self._iterator,
+                                 tf.constant(num_steps, tf.int64))
+    if float(sums["bad_steps"]) > 0:
+      raise NonFiniteError(int(first_bad))
+    means = {k: float(sums[k]) / (num_steps * self.replica_count)
+             for k in self.task.metric_names + ("grad_norm",)}
+    task_means = {k: means.pop(k) for k in self.task.metric_names}
+    out = {**self.task.report(task_means), **means, "skipped_steps": 0.0}
+    return {f"train/{k}": v for k, v in out.items()}
+
+  # -- Reporting: bytes on the wire --
+
+  def _bytes(self):
+    """(bytes per step, bytes so far): a sync's bytes spread over H."""
+    per_step = self.bytes_per_sync / self.options.sync_every
+    syncs = int(self.step.numpy()) // self.options.sync_every
+    return per_step, float(syncs * self.bytes_per_sync)
+
+  def report(self) -> Report:
+    per_step, _ = self._bytes()
+    return Report(scalars={
+        **compression.wire.scalars(per_step, self.float32_bytes_per_step),
+        "local_sgd/pseudo_gradient_norm": float(
+            self.pseudo_gradient_norm.numpy())})
+
+  def summary(self) -> Dict[str, object]:
+    per_step, total = self._bytes()
+    return compression.wire.summary(per_step, total,
+                                    self.float32_bytes_per_step)
+
+
+def _check_options(options: LocalSGDOptions, train_steps: int) -> None:
+  """The rules between the mode's options. Raises UserError."""
+  h = options.sync_every
+  if not options.outer_learning_rate > 0:
+    raise UserError(f"--outer_learning_rate must be > 0, got "
+                    f"{options.outer_learning_rate:g}")
+  if options.outer_optimizer == "average" and options.outer_momentum:
+    raise UserError(f"--outer_momentum={options.outer_momentum:g} needs "
+                    "--outer_optimizer=nesterov; drop it for average")
+  if options.outer_optimizer == "nesterov" and not (
+      0 < options.outer_momentum < 1):
+    raise UserError(f"--outer_optimizer=nesterov needs 0 < --outer_momentum "
+                    f"< 1 (DiLoCo: 0.9), got {options.outer_momentum:g}; "
+                    "without momentum use --outer_optimizer=average")
+  rest = train_steps % h
+  if rest:
+    lower = train_steps - rest
+    fix = f"{lower} or {lower + h}" if lower else f"{h}"
+    raise UserError(f"--train_steps={train_steps} is not a multiple of "
+                    f"--sync_every={h}: its last {rest} steps would never "
+                    f"reach the model; use --train_steps={fix}")

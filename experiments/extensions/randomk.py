@@ -1,0 +1,85 @@
+"""Worked example: a new all-reduce compressor, as one file.
+
+Random-k sparsification with error feedback (Stich et al., 2018, "Sparsified
+SGD with memory"). Each step, every replica sends the same random FRACTION
+of each matrix's entries: the replicas draw the positions from the run's
+seed and the step number, so they agree on them without exchanging any
+indices, and the picked values go through one ordinary all-reduce together
+with the (exact) vectors. Top-k (`--allreduce_compression=topk`) picks each
+replica's largest entries instead, which must travel with their indices.
+What a replica did not send stays in its residual, per replica, and the
+sync trainer checkpoints it like any compressor's state.
+
+Select it with `--allreduce_compression=randomk` (the option's choices are
+the compressor registry, so registering is all it needs); see
+`randomk.flags`. A compressor reads flags of its own only through the sync
+options, so this one keeps its fraction as a constant.
+"""
+
+import math
+
+import numpy as np
+import tensorflow as tf
+
+from dist_loop.compression import COMPRESSORS, Compressor
+from dist_loop.compression import base
+
+FRACTION = 0.05
+MIN_ELEMENTS = 1024  # Smaller tensors are summed exactly.
+
+
+@COMPRESSORS.register("randomk")
+class RandomK(Compressor):
+  """The same random FRACTION of each matrix on every replica."""
+
+  def __init__(self, options, variables, seed=0):
+    super().__init__(options, variables, seed)
+    sparse = [base.is_compressible(s, MIN_ELEMENTS) for s in self.shapes]
+    self.sparse = [i for i, s in enumerate(sparse) if s]
+    self.dense = [i for i, s in enumerate(sparse) if not s]
+    self.ks = [max(1, math.ceil(FRACTION * self.shapes[i].num_elements()))
+               for i in self.sparse]
+
+  def initial_state(self):
+    return {"residual": [np.zeros(self.shapes[i].as_list(), np.float32)
+                         for i in self.sparse]}
+
+  def reduce(self, grads, state, step):
+    flats = [tf.reshape(grads[i] + e, [-1])
+             for i, e in zip(self.sparse, state["residual"])]
+    picks = [self._positions(j, step, flat.shape[0], k)
+             for j, (flat, k) in enumerate(zip(flats, self.ks))]
+    values = [tf.gather(flat, p) for flat, p in zip(flats, picks)]
+    dense = [grads[i] for i in self.dense]
+    sent = ([base.pack(dense)] if dense else []) + values
+    summed = self.all_reduce([base.pack(sent)])[0]
+    sizes = ([sum(self.shapes[i].num_elements() for i in self.dense)]
+             if dense else []) + self.ks
+    parts = tf.split(summed, sizes)
+    out = list(grads)
+    if dense:
+      for i, g in zip(self.dense, base.unpack(
+          parts.pop(0), [self.shapes[i] for i in self.dense])):
+        out[i] = g
+    residuals = []
+    for i, flat, p, mine, total in zip(self.sparse, flats, picks, values,
+                                       parts):
+      n = [flat.shape[0]]
+      out[i] = tf.reshape(tf.scatter_nd(p[:, None], total, n),
+                          self.shapes[i])
+      residuals.append(tf.reshape(flat - tf.scatter_nd(p[:, None], mine, n),
+                                  self.shapes[i]))
+    return out, {"residual": residuals}
+
+  def _positions(self, j: int, step, size: int, k: int) -> tf.Tensor:
+    """k distinct positions out of `size`, the same on every replica."""
+    seed = tf.stack([tf.constant(self.seed * 1000 + j, tf.int64),
+                     tf.cast(step, tf.int64)])
+    noise = tf.random.stateless_uniform([size], seed)
+    return tf.argsort(noise)[:k]
+
+  def wire_bytes(self) -> int:
+    dense = sum(base.nbytes(self.shapes[i], self.dtypes[i])
+                for i in self.dense)
+    return dense + sum(k * self.dtypes[i].size
+                       for i, k in zip(self.sparse, self.ks))

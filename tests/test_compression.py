@@ -1,0 +1,236 @@
+"""Compression of the sync all-reduce (--allreduce_compression), equivalences
+first.
+
+* PowerSGD at full rank, top-k with fraction 1, and any compressor during
+  PowerSGD's warm-up, sum exactly: the same variables as `none`.
+* Error feedback: what a replica sends plus its new residual is its gradient
+  plus its old residual, and what is sent is low-rank (PowerSGD) or k
+  entries, the largest (top-k).
+* A resumed run equals the uninterrupted one: every replica's state is in
+  the checkpoint.
+* The bytes on the wire are counted as each compressor sends them.
+"""
+
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conftest import checkpoint_variables, max_diff, read_events
+from dist_loop import compression, configure, devices, train
+from dist_loop import strategy as strategy_lib
+from dist_loop.cluster import Cluster
+from dist_loop.errors import UserError
+from dist_loop.modes.sync.options import SyncOptions
+from dist_loop.summaries import LOGDIR
+from test_sync import make_trainer, variables
+
+STEPS = 12
+# The mlp on synthetic data: kernels 10x128 and 128x10, biases 128 and 10.
+KERNELS, BIASES = ((10, 128), (128, 10)), (128, 10)
+PARAMS = sum(n * m for n, m in KERNELS) + sum(BIASES)
+
+
+def _train(config, steps=STEPS):
+  trainer = make_trainer(config)
+  trainer.train(steps)
+  out = variables(trainer), trainer.summary()
+  trainer.close()
+  return out
+
+
+@pytest.fixture(name="exact", scope="module")
+def _exact():
+  """Variables of float32 and float16 sync after STEPS (SGD, 2 replicas)."""
+  from dist_loop import make_config  # pylint: disable=g-import-not-at-top
+  out = {}
+  for precision in ("float32", "mixed_float16"):
+    out[precision] = _train(make_config(
+        workdir="/tmp/unused", dataset="synthetic", model="mlp",
+        num_devices=2, global_batch_size=32, optimizer="sgd",
+        learning_rate=0.1, seed=0, precision=precision))[0]
+  return out
+
+
+@pytest.mark.parametrize("flags, wire_bytes", [
+    # Rank 10 is the full rank of both kernels: P and Q of (n + m) x 10.
+    (dict(allreduce_compression="powersgd", powersgd_rank=10),
+     4 * (sum(BIASES) + sum((n + m) * 10 for n, m in KERNELS))),
+    (dict(allreduce_compression="powersgd", powersgd_rank=10,
+          precision="mixed_float16"), None),
+    # Every entry, each with its int32 index.
+    (dict(allreduce_compression="topk", topk_fraction=1.0),
+     4 * sum(BIASES) + 8 * sum(n * m for n, m in KERNELS)),
+    # Rank 1, but every step is a warm-up step: the exact all-reduce.
+    (dict(allreduce_compression="powersgd", powersgd_rank=1,
+          powersgd_start_step=STEPS), 4 * PARAMS),
+], ids=["powersgd_full_rank", "powersgd_float16", "topk_1", "warm_up"])
+def test_exact_settings_equal_the_exact_all_reduce(small_config, exact,
+                                                   flags, wire_bytes):
+  precision = flags.get("precision", "float32")
+  trained, summary = _train(small_config(num_devices=2, **flags))
+  assert max_diff(trained, exact[precision]) <= 1e-5
+  if wire_bytes is not None:  # The compressed path ran, and was counted.
+    assert summary["allreduce_bytes_per_step"] == wire_bytes
+
+
+@pytest.mark.parametrize("flags", [
+    dict(allreduce_compression="powersgd", powersgd_rank=1),
+    dict(allreduce_compression="powersgd", powersgd_rank=1,
+         powersgd_start_step=STEPS // 2),
+    dict(allreduce_compression="topk", topk_fraction=0.01),
+], ids=["powersgd_rank_1", "warm_up_then_rank_1", "topk_1pc"])
+def test_lossy_settings_differ_from_exact(small_config, exact, flags):
+  """The equalities above are not of compression switched off."""
+  trained, _ = _train(small_config(num_devices=2, **flags))
+  assert max_diff(trained, exact["float32"]) > 1e-3
+
+
+# -- error feedback, on one reduce of known gradients --
+
+def _reduce_twice(compressor, grads, residuals):
+  """Two replicas: replica r reduces grads[r] with residuals[r] (both lists
+  over the compressor's tensors / matrices), twice in a row, the second
+  from the first's state. Returns, per call and replica, (out, state)."""
+  strategy = strategy_lib.mirrored(devices.configure(2, "cpu"))
+  initial = compressor.initial_state()
+  stacked = [tf.constant(np.stack(g)) for g in zip(*grads)]
+  stacked_e = [tf.constant(np.stack(e)) for e in zip(*residuals)]
+
+  def replica():
+    r = tf.distribute.get_replica_context().replica_id_in_sync_group
+    state = {**initial, "residual": [tf.gather(e, r) for e in stacked_e]}
+    state = tf.nest.map_structure(tf.convert_to_tensor, state)
+    mine = [tf.gather(g, r) for g in stacked]
+    first = compressor.reduce(mine, state, tf.constant(0, tf.int64))
+    second = compressor.reduce(mine, first[1], tf.constant(1, tf.int64))
+    return first, second
+
+  results = tf.function(lambda: strategy.run(replica))()
+  per_replica = [tf.nest.map_structure(
+      lambda v, r=r: np.asarray(strategy.experimental_local_results(v)[r]),
+      results) for r in range(2)]
+  # [call][replica] of (out, state).
+  return [[per_replica[r][call] for r in range(2)] for call in range(2)]
+
+
+def _random(shapes, seed):
+  rng = np.random.RandomState(seed)
+  return [[rng.standard_normal(s).astype(np.float32) for s in shapes]
+          for _ in range(2)]
+
+
+@pytest.mark.parametrize("flags", [
+    dict(allreduce_compression="powersgd", powersgd_rank=2),
+    dict(allreduce_compression="topk", topk_fraction=0.05),
+])
+def test_error_feedback_sends_gradient_plus_residual(flags):
+  options = SyncOptions(**flags)
+  shapes = [(64, 32), (32,)]  # A matrix and a vector (sent exactly).
+  compressor = compression.make(
+      options, [tf.TensorSpec(s, tf.float32) for s in shapes])
+  grads = _random(shapes, 1)
+  residuals = [[0.1 * e for e in r[:1]] for r in _random(shapes, 2)]
+  for call in _reduce_twice(compressor, grads, residuals):
+    outs = [out for out, _ in call]
+    np.testing.assert_array_equal(outs[0][0], outs[1][0])  # Alike.
+    np.testing.assert_allclose(outs[0][1], grads[0][1] + grads[1][1],
+                               rtol=1e-6)
+    sent = [grads[r][0] + residuals[r][0] - call[r][1]["residual"][0]
+            for r in range(2)]
+    # Sent + new residual = gradient + old residual, and the sum of what
+    # was sent is the result.
+    np.testing.assert_allclose(sent[0] + sent[1], outs[0][0], atol=1e-5)
+    for r in range(2):
+      if "powersgd_rank" in flags:
+        singular = np.linalg.svd(sent[r], compute_uv=False)
+        assert np.all(singular[2:] < 1e-4 * singular[0])  # Rank 2.
+      else:
+        k = int(np.ceil(0.05 * sent[r].size))
+        nonzero = np.flatnonzero(sent[r])
+        assert len(nonzero) == k
+        wanted = np.abs(grads[r][0] + residuals[r][0]).ravel()
+        assert wanted[nonzero].min() >= np.sort(wanted)[-k]  # The largest.
+    residuals = [[call[r][1]["residual"][0]] for r in range(2)]
+
+
+def test_powersgd_keeps_q_from_step_to_step():
+  options = SyncOptions(allreduce_compression="powersgd", powersgd_rank=2)
+  compressor = compression.make(options, [tf.TensorSpec((64, 32))])
+  grads = _random([(64, 32)], 3)
+  zero = [[np.zeros((64, 32), np.float32)]] * 2
+  first, second = _reduce_twice(compressor, grads, zero)
+  q0 = compressor.initial_state()["q"][0]
+  q1, q2 = first[0][1]["q"][0], second[0][1]["q"][0]
+  # Q = SUM_i M_i^T P with P orthonormal: M's power iteration moves on.
+  assert q1.shape == q0.shape == (32, 2)
+  assert max_diff([q1], [q0]) > 1e-2 and max_diff([q2], [q1]) > 1e-2
+  np.testing.assert_array_equal(q1, first[1][1]["q"][0])  # Alike.
+
+
+# -- resume, TensorBoard and summary.json --
+
+def test_resume_equals_uninterrupted_and_bytes_are_logged(small_config):
+  config = small_config(num_devices=2, optimizer="adam", learning_rate=0.01,
+                        allreduce_compression="powersgd", powersgd_rank=1,
+                        powersgd_start_step=2, train_steps=6,
+                        steps_per_loop=3, log_every=3)
+  train.run(config)  # Checkpoint at 6, residuals far from zero.
+  config = config.replace(train_steps=12)
+  summary = train.run(config)
+  whole = make_trainer(config)
+  whole.train(12)
+  assert max_diff(variables(whole), checkpoint_variables(config)) <= 1e-6
+  residual = whole.compression_state.variables["residual"][0]
+  assert np.abs(np.asarray(residual)).max() > 1e-3
+  whole.close()
+  compressed = 4 * (sum(BIASES) + sum(n + m for n, m in KERNELS))
+  assert summary["allreduce_bytes_total"] == 2 * 4 * PARAMS + 10 * compressed
+  assert summary["allreduce_bytes_per_step"] == (
+      summary["allreduce_bytes_total"] / 12)
+  events = read_events(os.path.join(config.workdir, LOGDIR))
+  assert events["comm/bytes_per_step"] == {
+      3: compressed, 6: compressed, 9: compressed, 12: compressed}
+  assert events["comm/ratio_to_float32"][12] == pytest.approx(
+      compressed / (4 * PARAMS), rel=1e-6)
+
+
+@pytest.mark.parametrize("flags, per_param", [
+    (dict(), 4), (dict(allreduce_compression="bf16"), 2),
+    (dict(allreduce_compression="fp16", num_devices=4), 2)])
+def test_cast_bytes_are_the_wire_dtype_per_weight(small_config, flags,
+                                                  per_param):
+  trainer = make_trainer(small_config(**{"num_devices": 2, **flags}))
+  assert trainer.summary()["allreduce_bytes_per_step"] == per_param * PARAMS
+  assert trainer.summary()["allreduce_ratio_to_float32"] == per_param / 4
+  assert trainer.report().scalars["comm/bytes_per_step"] == (
+      per_param * PARAMS)
+  trainer.close()
+
+
+# -- bad combinations --
+
+@pytest.mark.parametrize("flags, message", [
+    (dict(allreduce_compression="powersgd", powersgd_rank=0),
+     "--powersgd_rank must be >= 1, got 0"),
+    (dict(powersgd_rank=8),
+     "--powersgd_rank=8 is an option of --allreduce_compression=powersgd"),
+    (dict(allreduce_compression="topk", powersgd_start_step=5),
+     "drop --powersgd_start_step, or use --allreduce_compression=powersgd"),
+    (dict(allreduce_compression="topk", topk_fraction=0.0),
+     r"--topk_fraction must be in \(0, 1\], got 0"),
+    (dict(allreduce_compression="int4"),
+     "unknown --allreduce_compression='int4'; choose one of: bf16, fp16, "
+     "none, powersgd"),
+])
+def test_bad_combinations_are_one_line_errors(small_config, flags, message):
+  with pytest.raises(UserError, match=message) as error:
+    configure.validate(small_config(num_devices=2, **flags), Cluster())
+  assert "\n" not in str(error.value)
+
+
+def test_an_option_of_another_compressor_at_its_default_is_accepted(
+    small_config):
+  configure.validate(small_config(powersgd_rank=4, topk_fraction=0.01),
+                     Cluster())

@@ -1,0 +1,272 @@
+"""Local SGD and DiLoCo (--mode=local_sgd), equivalences first.
+
+* H=1, `average`, outer learning rate 1 is synchronous SGD.
+* Between synchronisations a replica trains exactly as it would alone on its
+  shard, with its own optimizer state; a synchronisation is the outer
+  optimizer's step on the mean pseudo-gradient, and every replica restarts
+  from its result.
+* A resume mid-period equals the uninterrupted run.
+"""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conftest import checkpoint_variables, max_diff
+import dist_loop.modes.local_sgd  # noqa: F401  (registers the mode)
+from dist_loop import checkpoints, configure, data, devices, optim, train
+from dist_loop import step as step_lib
+from dist_loop import strategy as strategy_lib
+from dist_loop.cluster import Cluster
+from dist_loop.data.base import DATASETS, Dataset
+from dist_loop.data.stream import train_dataset_fn
+from dist_loop.errors import NonFiniteError, UserError
+from dist_loop.modes import build_trainer
+from dist_loop.modes.local_sgd import outer, replicas
+from dist_loop.modes.local_sgd.options import LocalSGDOptions
+
+LOCAL = dict(mode="local_sgd", num_devices=2)
+
+
+def _trainer(config):
+  """The mode's trainer alone (no controller), initialised as `train.run`."""
+  config = configure.validate(config, Cluster())
+  names = devices.configure(config.num_devices, "cpu")
+  keras.utils.set_random_seed(config.seed)
+  return build_trainer(config, names, data.load(config), Cluster())
+
+
+def _components(trainer, variables):
+  """[replica][variable] numpy values of per-replica variables."""
+  per_var = [[np.asarray(c) for c in trainer.strategy
+              .experimental_local_results(replicas.backing(v))]
+             for v in variables]
+  return [list(r) for r in zip(*per_var)]
+
+
+def _synced(trainer):
+  return [np.asarray(v) for v in trainer.model.trainable_variables]
+
+
+def test_h1_average_lr1_equals_sync(small_config, tmp_path):
+  common = dict(num_devices=2, train_steps=12, checkpoint_every=6,
+                max_checkpoints=5)
+  sync = small_config(workdir=str(tmp_path / "sync"), **common)
+  local = small_config(workdir=str(tmp_path / "local"), mode="local_sgd",
+                       sync_every=1, **common)
+  train.run(sync)
+  summary = train.run(local)
+  final = checkpoint_variables(local)
+  assert max_diff(final, checkpoint_variables(sync)) <= 1e-5
+  half = checkpoints.load_model(
+      local, os.path.join(local.workdir, "checkpoints", "ckpt-6"))
+  assert max_diff(final, [np.asarray(v) for v in
+                          half.trainable_variables]) > 1e-2  # It trained.
+  # H=1 sends what float32 sync sends: one float32 value per weight a step.
+  params = sum(v.size for v in final)
+  assert summary["allreduce_bytes_per_step"] == 4 * params
+  assert summary["allreduce_ratio_to_float32"] == 1.0
+  assert summary["allreduce_bytes_total"] == 12 * 4 * params
+
+
+class _Alone:
+  """One replica training by itself on its shard of every global batch."""
+
+  def __init__(self, trainer, replica, weights):
+    cfg = trainer.config
+    self.task, self.replica = trainer.task, replica
+    self.batch = trainer.examples_per_replica
+    self.model = trainer.model.__class__.from_config(
+        trainer.model.get_config())
+    self.set_weights(weights)
+    self.optimizer = optim.make(cfg.optimizer, cfg.learning_rate,
+                                self.model.trainable_variables)
+    stream = train_dataset_fn(trainer.dataset.train_x,
+                              trainer.dataset.train_y,
+                              trainer.examples_per_step, cfg.seed)
+    shards = stream(tf.distribute.InputContext(num_replicas_in_sync=2))
+    # The stream yields replica 0's then replica 1's batch of each step.
+    self.batches = iter(shards.skip(replica).shard(2, 0))
+
+  def set_weights(self, weights):
+    for v, w in zip(self.model.trainable_variables, weights):
+      v.assign(w)
+
+  def weights(self):
+    return [np.asarray(v) for v in self.model.trainable_variables]
+
+  def train(self, steps):
+    for _ in range(steps):
+      x, y = next(self.batches)
+      _, grads = step_lib.gradients(self.task, self.model, x, y,
+                                    examples_per_update=self.batch)
+      self.optimizer.apply(grads, self.model.trainable_variables)
+
+
+def test_replicas_train_alone_between_syncs_and_diloco_syncs(
+    small_config, monkeypatch):
+  reduced = []  # The elements of each all-reduce, as each replica traces it.
+  original = tf.distribute.ReplicaContext.all_reduce
+
+  def spy(self, reduce_op, value, options=None):
+    if self.num_replicas_in_sync > 1:  # Not the lone references' Keras.
+      reduced.append(sum(int(np.prod(t.shape))
+                         for t in tf.nest.flatten(value)))
+    return original(self, reduce_op, value, options=options)
+
+  monkeypatch.setattr(tf.distribute.ReplicaContext, "all_reduce", spy)
+  lr, mu = 0.7, 0.9
+  trainer = _trainer(small_config(
+      **LOCAL, sync_every=4, train_steps=8, optimizer="adam",
+      learning_rate=0.01, outer_optimizer="nesterov",
+      outer_learning_rate=lr, outer_momentum=mu))
+  start = _synced(trainer)
+  alone = [_Alone(trainer, r, start) for r in range(2)]
+  sync, momentum = [w.copy() for w in start], [0 * w for w in start]
+  for period in range(2):
+    trainer.train(3)
+    for a in alone:
+      a.train(3)
+    mine = _components(trainer, trainer.replica_model.trainable_variables)
+    for r in range(2):
+      assert max_diff(mine[r], alone[r].weights()) <= 1e-5
+    assert max_diff(mine[0], mine[1]) > 1e-3  # They did diverge.
+    trainer.train(1)  # Step 4 (8): a synchronisation.
+    for a in alone:
+      a.train(1)
+    # Keras SGD with Nesterov momentum on g = mean(sync - replica).
+    for i, w in enumerate(sync):
+      g = w - (alone[0].weights()[i] + alone[1].weights()[i]) / 2
+      momentum[i] = mu * momentum[i] - lr * g
+      sync[i] = w + mu * momentum[i] - lr * g
+    assert max_diff(_synced(trainer), sync) <= 1e-5, period
+    sync = _synced(trainer)
+    for r, weights in enumerate(_components(
+        trainer, trainer.replica_model.trainable_variables)):
+      assert max_diff(weights, sync) == 0  # Every replica restarts from it.
+      alone[r].set_weights(sync)  # Its own optimizer state carries on.
+  report = trainer.report().scalars
+  trainer.close()
+  # Nothing but the pseudo-gradient and, once per call, 4 metric sums.
+  params = sum(w.size for w in sync)
+  assert sorted(reduced) == [4, 4, params, params]
+  assert report["comm/ratio_to_float32"] == 1 / 4
+  assert report["local_sgd/pseudo_gradient_norm"] > 0
+
+
+def test_resume_mid_period_equals_uninterrupted(small_config, tmp_path):
+  def make(name):
+    return _trainer(small_config(
+        **LOCAL, workdir=str(tmp_path / name), sync_every=4, train_steps=12,
+        optimizer="adam", learning_rate=0.01, outer_optimizer="nesterov",
+        outer_learning_rate=0.7, outer_momentum=0.9))
+
+  def state(trainer):
+    return (_synced(trainer)
+            + sum(_components(trainer, trainer.replica_model.variables), [])
+            + sum(_components(trainer, trainer.optimizer.variables), [])
+            + [np.asarray(v) for v in trainer.outer_optimizer.variables])
+
+  whole = make("whole")
+  whole.train(6)  # Mid-period: the replicas have diverged.
+  manager = checkpoints.manager(whole.checkpoint_items(), str(tmp_path), 3)
+  manager.save(checkpoint_number=6)
+  whole.train(6)
+  resumed = make("resumed")  # Other initial weights: all must be restored.
+  assert checkpoints.restore_latest(
+      checkpoints.manager(resumed.checkpoint_items(), str(tmp_path), 3),
+      resumed.scope())
+  resumed.train(6)
+  assert int(resumed.step.numpy()) == 12
+  assert max_diff(state(whole), state(resumed)) <= 1e-6
+  whole.close()
+  resumed.close()
+
+
+def test_gradient_accumulation_equals_the_whole_batch(small_config):
+  def synced(**kw):
+    trainer = _trainer(small_config(**LOCAL, sync_every=2, train_steps=4,
+                                    **kw))
+    trainer.train(4)
+    trainer.close()
+    return _synced(trainer)
+
+  assert max_diff(synced(global_batch_size=16, grad_accum_steps=2),
+                  synced(global_batch_size=32)) <= 1e-5
+
+
+@DATASETS.register("test_nan_local_sgd")
+def _nan_dataset(data_dir, seed, image_size=None):
+  del data_dir, seed, image_size
+  x = np.full((64, 10), np.nan, np.float32)
+  y = np.zeros(64, np.int32)
+  return Dataset(x, y, x[:8], y[:8], 10)
+
+
+def test_non_finite_step_is_not_applied_and_named(small_config):
+  trainer = _trainer(small_config(**LOCAL, dataset="test_nan_local_sgd",
+                                  sync_every=2, train_steps=4))
+  before = _components(trainer, trainer.replica_model.trainable_variables)
+  with pytest.raises(NonFiniteError, match="at step 1"):
+    trainer.train(2)
+  assert max_diff(before[0], _components(
+      trainer, trainer.replica_model.trainable_variables)[1]) == 0
+  trainer.close()
+
+
+@pytest.mark.parametrize("flags,message", [
+    (dict(mode="sync", sync_every=4), "--sync_every is an option of "
+     "--mode=local_sgd"),
+    (dict(sync_every=0), "--sync_every must be >= 1"),
+    (dict(outer_learning_rate=0.0), "--outer_learning_rate must be > 0"),
+    (dict(outer_momentum=0.9), "needs --outer_optimizer=nesterov"),
+    (dict(outer_optimizer="nesterov"), "needs 0 < --outer_momentum < 1"),
+    (dict(outer_optimizer="adam"), "unknown --outer_optimizer='adam'"),
+    (dict(sync_every=3, train_steps=10), "use --train_steps=9 or 12"),
+    (dict(nonfinite="skip"), "use --nonfinite=rollback or raise"),
+    (dict(precision="mixed_float16"), "use one of float32, mixed_bfloat16"),
+    (dict(global_batch_size=33), "use 32 or 34"),
+])
+def test_bad_combinations_are_one_line_errors(small_config, flags, message):
+  with pytest.raises(UserError, match=message) as error:
+    configure.validate(small_config(**{**LOCAL, **flags}), Cluster())
+  assert "\n" not in str(error.value)
+
+
+def test_diloco_reaches_a_sane_accuracy_on_digits(small_config):
+  summary = train.run(small_config(
+      **LOCAL, dataset="digits", model="mlp", optimizer="adam",
+      learning_rate=0.003, global_batch_size=64, train_steps=160,
+      sync_every=8, outer_optimizer="nesterov", outer_learning_rate=0.7,
+      outer_momentum=0.9, steps_per_loop=40, log_every=80, eval_every=160,
+      checkpoint_every=160))
+  assert summary["eval_accuracy"] > 0.9
+  assert summary["allreduce_ratio_to_float32"] == 1 / 8
+
+
+def test_synchronise_averages_weights_and_batch_norm_statistics():
+  strategy = strategy_lib.mirrored(devices.configure(2, "cpu"))
+  with strategy.scope():
+    synced, mine = [keras.Sequential([
+        keras.Input((3,)), keras.layers.BatchNormalization()])
+                    for _ in range(2)]
+    optimizer = outer.make(LocalSGDOptions(), synced.trainable_variables)
+
+  def diverge():  # Replica r's weights all r + 1: gamma, beta, mean, var.
+    r = tf.distribute.get_replica_context().replica_id_in_sync_group
+    replicas.write(mine.weights, [tf.fill(v.shape, tf.cast(r + 1, v.dtype))
+                                  for v in mine.weights])
+
+  @tf.function
+  def run():
+    strategy.run(diverge)
+    strategy.run(outer.synchronise, args=(synced, mine, optimizer))
+
+  run()
+  for model in (synced, mine):
+    for v in model.weights:  # Trainable and statistics: the mean, 1.5.
+      for c in strategy.experimental_local_results(replicas.backing(v)):
+        np.testing.assert_allclose(np.asarray(c), 1.5)

@@ -1,0 +1,79 @@
+"""Optimizers: applying gradients that were already all-reduced."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from dist_loop import devices, optim
+from dist_loop import strategy as strategy_lib
+from dist_loop.errors import UserError
+
+GRAD = np.array([1.0, 2.0, 3.0], np.float32)
+
+
+def _build(name, strategy):
+  with strategy.scope():
+    var = keras.Variable(np.ones(3, np.float32), name="w")
+    return var, optim.make(name, 0.1, [var])
+
+
+def _apply(strategy, optimizer, var, ok, lr_scale=None):
+  """Every replica calls apply_reduced with the same (reduced) gradient."""
+
+  @tf.function
+  def step():
+    strategy.run(lambda: optim.apply_reduced(
+        optimizer, [tf.constant(GRAD)], [var], tf.constant(ok), lr_scale))
+
+  step()
+
+
+def _copies(strategy, variable):
+  value = getattr(variable, "value", variable)
+  return [t.numpy() for t in strategy.experimental_local_results(value)]
+
+
+@pytest.fixture(name="mirrored", scope="module")
+def _mirrored():
+  return strategy_lib.mirrored(devices.configure(2, "cpu"))
+
+
+def test_apply_reduced_applies_once_on_every_replica(mirrored):
+  var, sgd = _build("sgd", mirrored)
+  _apply(mirrored, sgd, var, ok=True)
+  # Not reduced again (that would double the step), and one update per copy.
+  for copy in _copies(mirrored, var):
+    np.testing.assert_allclose(copy, 1.0 - 0.1 * GRAD, rtol=1e-6)
+  assert _copies(mirrored, sgd.iterations) == [1, 1]
+  _apply(mirrored, sgd, var, ok=True, lr_scale=tf.constant(0.5))
+  np.testing.assert_allclose(var.numpy(), 1.0 - 0.15 * GRAD, rtol=1e-6)
+  assert int(sgd.iterations.numpy()) == 2
+
+
+def test_not_ok_skips_variables_slots_and_iterations(mirrored):
+  var, adam = _build("adam", mirrored)
+  _apply(mirrored, adam, var, ok=False)
+  for copy in _copies(mirrored, var):
+    np.testing.assert_array_equal(copy, np.ones(3))
+  for slot in adam.variables:
+    for copy in _copies(mirrored, slot):
+      assert not np.any(copy) or slot.path.endswith("learning_rate"), slot.path
+  _apply(mirrored, adam, var, ok=True)  # The same call, ok: it moves.
+  assert int(adam.iterations.numpy()) == 1
+  assert np.all(var.numpy() < 1.0)
+
+
+def test_apply_reduced_outside_any_strategy():
+  var, sgd = _build("momentum", tf.distribute.get_strategy())
+  ok = optim.apply_reduced(sgd, [tf.constant(GRAD)], [var], tf.constant(True))
+  assert bool(ok)
+  np.testing.assert_allclose(var.numpy(), 1.0 - 0.1 * GRAD, rtol=1e-6)
+
+
+def test_all_finite_and_unknown_names():
+  assert bool(optim.all_finite([tf.ones(2), tf.zeros((2, 2))]))
+  assert not bool(optim.all_finite([tf.ones(2), tf.constant([np.inf])]))
+  assert not bool(optim.all_finite([tf.constant([np.nan])]))
+  with pytest.raises(UserError, match="unknown --optimizer='lamb'.*adam"):
+    optim.make("lamb", 0.1, [])

@@ -1,0 +1,146 @@
+"""Byte-level text datasets: windows, the held-out tail, and bad files."""
+
+import builtins
+import os
+import re
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from dist_loop import data, make_config, tasks
+from dist_loop import strategy as strategy_lib
+from dist_loop.data import stream, text
+from dist_loop.errors import UserError
+
+
+def _write(tmp_path, content: bytes, name="corpus.bin"):
+  path = tmp_path / name
+  path.write_bytes(content)
+  return str(path)
+
+
+def _load(path, seq_len):
+  return data.DATASETS.get("text")(
+      None, 0, None, options=text.TextOptions(data_file=path, seq_len=seq_len))
+
+
+def test_windows_are_inputs_and_targets_shifted_by_one(tmp_path):
+  content = np.random.RandomState(0).randint(0, 256, 1003).astype(np.uint8)
+  ds = _load(_write(tmp_path, content.tobytes()), seq_len=8)
+  held_out = -(-1003 // 20)  # The last 5%, rounded up: 51 bytes.
+  train, tail = content[:1003 - held_out], content[1003 - held_out:]
+  assert ds.train_x.shape == ((len(train) - 1) // 8, 8)
+  assert ds.eval_x.shape == ((held_out - 1) // 8, 8)  # 6 windows of 51.
+  for x, y, part in ((ds.train_x, ds.train_y, train),
+                     (ds.eval_x, ds.eval_y, tail)):
+    for i in (0, 1, len(x) - 1):
+      np.testing.assert_array_equal(x[i], part[i * 8:i * 8 + 8])
+      np.testing.assert_array_equal(y[i], part[i * 8 + 1:i * 8 + 9])
+  assert ds.train_x.dtype == ds.train_y.dtype == np.int32
+  assert ds.num_classes == 256 and ds.input_shape == (8,)
+  assert isinstance(tasks.for_dataset(ds), tasks.TASKS.get("language_model"))
+
+
+def test_any_bytes_and_utf8_text_load(tmp_path):
+  utf8 = ("naïve café, 東京 " * 40).encode("utf-8")
+  ds = _load(_write(tmp_path, utf8, "text.txt"), seq_len=4)
+  assert ds.train_x.max() >= 128  # Multi-byte characters are bytes > 127.
+  recovered = np.concatenate([ds.train_x.ravel(), ds.train_y[-1, -1:]])
+  assert recovered.astype(np.uint8).tobytes() == utf8[:len(recovered)]
+
+
+def _error(tmp_path, monkeypatch, case):
+  if case == "missing":
+    path = str(tmp_path / "nowhere.txt")
+  elif case == "directory":
+    path = str(tmp_path)
+  elif case == "unreadable":
+    path = _write(tmp_path, b"x" * 5000)
+    real_open = builtins.open
+
+    def refuse(file, *args, **kwargs):
+      if file == path:
+        raise PermissionError(13, "Permission denied", path)
+      return real_open(file, *args, **kwargs)
+    # Tests may run as root, which a chmod would not stop.
+    monkeypatch.setattr(builtins, "open", refuse)
+  elif case == "empty":
+    path = _write(tmp_path, b"")
+  else:  # Shorter than one held-out window of 17 bytes: needs 321.
+    path = _write(tmp_path, b"y" * 320)
+  with pytest.raises(UserError) as info:
+    _load(path, seq_len=16)
+  return str(info.value)
+
+
+@pytest.mark.parametrize("case,expected", [
+    ("missing", r"no such file; pass the path of an existing file"),
+    ("directory", r"is a directory; pass a file"),
+    ("unreadable", r"cannot be read \(Permission denied\); check its "
+                   r"permissions"),
+    ("empty", r"is empty; give a file of at least 321 bytes"),
+    ("short", r"has 320 bytes, too short for --seq_len=16.*at least 321; "
+              r"use a longer file or --seq_len=15"),
+])
+def test_bad_files_are_one_line_errors_naming_the_fix(tmp_path, monkeypatch,
+                                                      case, expected):
+  message = _error(tmp_path, monkeypatch, case)
+  assert "\n" not in message
+  assert message.startswith("--data_file=")
+  assert re.search(expected, message), message
+
+
+def test_a_file_of_exactly_the_minimum_length_loads(tmp_path):
+  ds = _load(_write(tmp_path, b"z" * text.min_bytes(16)), seq_len=16)
+  assert len(ds.eval_x) == 1 and len(ds.train_x) >= 1
+
+
+def test_text_needs_a_data_file(tmp_path):
+  with pytest.raises(UserError, match=r"--dataset=text needs --data_file"):
+    make_config(workdir=str(tmp_path), dataset="text")
+  with pytest.raises(UserError, match=r"--data_file is an option of "
+                     r"--dataset=text"):
+    make_config(workdir=str(tmp_path), dataset="digits", data_file="x")
+
+
+def test_pysource_is_over_a_megabyte_of_python():
+  corpus = text.pysource_bytes()
+  assert len(corpus) >= 1_000_000
+  assert b"def " in corpus and b"import " in corpus
+  ds = data.DATASETS.get("pysource")(
+      None, 0, None, options=text.PySourceOptions(seq_len=64))
+  assert ds.task == "language_model" and ds.num_classes == 256
+  # The held-out part is the last 5% of the corpus, in order.
+  tail = corpus[len(corpus) - -(-len(corpus) // 20):]
+  assert ds.eval_x[0].astype(np.uint8).tobytes() == tail[:64]
+
+
+def test_pysource_names_a_missing_module(tmp_path):
+  with pytest.raises(UserError, match=r"_pydecimal\.py cannot be read.*"
+                     r"--dataset=text --data_file=PATH"):
+    text.pysource_bytes(stdlib_dir=str(tmp_path))
+
+
+def test_replica_shards_of_text_windows_make_the_same_global_batch(tmp_path):
+  """The input stream shards windows like any examples: 2 replicas see
+  disjoint halves of the batch 1 replica sees."""
+  ds = _load(_write(tmp_path, os.urandom(4000)), seq_len=8)
+  devices = [d.name for d in tf.config.list_logical_devices("CPU")]
+
+  def batches(replicas):
+    strategy = strategy_lib.mirrored(devices[:replicas])
+    fn = stream.train_dataset_fn(ds.train_x, ds.train_y, 16, seed=3)
+    it = iter(strategy.distribute_datasets_from_function(fn))
+    out = []
+    for _ in range(3):
+      x, y = next(it)
+      xs = [t.numpy() for t in strategy.experimental_local_results(x)]
+      ys = [t.numpy() for t in strategy.experimental_local_results(y)]
+      out.append((xs, ys))
+    return out
+
+  for (one_x, one_y), (two_x, two_y) in zip(batches(1), batches(2)):
+    rows = lambda parts: sorted(r.tobytes() for p in parts for r in p)  # pylint: disable=g-long-lambda
+    assert rows(one_x) == rows(two_x) and rows(one_y) == rows(two_y)
+    assert not set(rows(two_x[:1])) & set(rows(two_x[1:]))
