@@ -8,7 +8,7 @@ comma := ,
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
-.PHONY: install train test bench clean
+.PHONY: install train test bench screenshots clean
 
 install: $(STAMP)
 
@@ -26,6 +26,12 @@ test: install
 
 bench: install
 	$(PY) -m tools.bench --suite=all --out=bench.json
+
+# The README's TensorBoard screenshot, of `make train`'s run (trained first
+# if it is not there), in headless Chromium (Debian: apt-get install chromium).
+screenshots: install
+	@test -f $(WORKDIR)/summary.json || $(MAKE) train
+	$(PY) tests/test_browser.py $(WORKDIR) docs/tensorboard.png
 
 clean:
 	rm -rf runs

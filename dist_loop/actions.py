@@ -93,12 +93,15 @@ class Log(Action):
 
   at_end = True
 
-  def __init__(self, every: int, train_steps: int, trainer, summaries):
+  def __init__(self, every: int, train_steps: int, trainer, summaries,
+               tokens_per_example: int = 1):
     self.every = every
     self._train_steps = train_steps
     self._trainer = trainer
     self._summaries = summaries
     self._skipped_total = 0
+    # Predictions per example: a language model reports tokens per second.
+    self._tokens_per_example = tokens_per_example
     self._reset()
 
   def _reset(self):
@@ -123,6 +126,9 @@ class Log(Action):
     rates = {"train/examples_per_sec": self._examples / seconds,
              "train/steps_per_sec": self._steps / seconds,
              "train/updates_per_sec": self._updates / seconds}
+    if self._tokens_per_example > 1:
+      rates["train/tokens_per_sec"] = (rates["train/examples_per_sec"]
+                                       * self._tokens_per_example)
     learning_rate = float(tf.convert_to_tensor(
         self._trainer.optimizer.learning_rate))
     self._reset()
@@ -138,10 +144,12 @@ class Log(Action):
     remaining = self._train_steps - step
     eta = datetime.timedelta(seconds=int(
         remaining / max(rates["train/steps_per_sec"], 1e-9)))
-    logging.info("step %d/%d  loss %.4f  acc %.3f  %.0f ex/s  eta %s", step,
+    throughput = (f"{rates['train/tokens_per_sec']:.0f} tok/s"
+                  if "train/tokens_per_sec" in rates
+                  else f"{rates['train/examples_per_sec']:.0f} ex/s")
+    logging.info("step %d/%d  loss %.4f  acc %.3f  %s  eta %s", step,
                  self._train_steps, means.get("train/loss", np.nan),
-                 means.get("train/accuracy", np.nan),
-                 rates["train/examples_per_sec"], eta)
+                 means.get("train/accuracy", np.nan), throughput, eta)
     return means
 
 
@@ -252,7 +260,10 @@ def standard(config, trainer, evaluator, checkpointer, summaries,
   out: List[Action] = [TraceGraph(summaries)]
   if config.profile_range:
     out.append(Profile(*config.profile_range, summaries))
-  out.append(Log(config.log_every, config.train_steps, trainer, summaries))
+  tokens = (1 if task is None
+            else task.predictions_per_example(trainer.dataset.train_y))
+  out.append(Log(config.log_every, config.train_steps, trainer, summaries,
+                 tokens))
   if config.histogram_every:
     out.append(Histograms(config.histogram_every, trainer, task, summaries))
   out.append(Evaluate(config.eval_every, evaluator, trainer.scope, summaries))

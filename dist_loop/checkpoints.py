@@ -4,12 +4,18 @@ The checkpoint holds `step`, `model` and `optimizer` (and `loss_scale` under
 float16; see `Trainer.checkpoint_items`). Every mode builds the same
 `keras.Sequential` and one optimizer over all its variables, so a checkpoint
 written by one mode restores in another. `tf.train.CheckpointManager` writes
-each checkpoint under a new name and only then points `checkpoint` at it, so
-a crash mid-write leaves the previous checkpoint as the latest.
+each checkpoint under a new name and only then points the index file
+(`checkpoint`) at it, so a crash mid-write leaves the previous checkpoint as
+the latest. If the index itself cannot be read (empty, garbage, missing),
+the `ckpt-*` files are tried, newest first, with a warning.
 """
 
+import collections
+import glob
 import os
-from typing import Dict, Optional
+import re
+import time
+from typing import Dict, List, Optional
 
 import tensorflow as tf
 from absl import logging
@@ -17,8 +23,9 @@ from absl import logging
 from dist_loop import data, models
 from dist_loop import strategy as strategy_lib
 from dist_loop.errors import UserError
+from dist_loop.workdir import CHECKPOINT_DIR
 
-CHECKPOINT_DIR = "checkpoints"
+PREFIX = "ckpt"
 
 
 class Checkpointer:
@@ -37,11 +44,12 @@ class Checkpointer:
   def __init__(self, items: Dict[str, object], workdir: str, max_to_keep: int,
                is_chief: bool = True, task_index: int = 0):
     self.manager = manager(items, workdir, max_to_keep, is_chief, task_index)
+    self._restored: Optional[str] = None
 
   @property
   def saved_step(self) -> Optional[int]:
     """The step of the latest checkpoint, or None before the first."""
-    latest = self.manager.latest_checkpoint
+    latest = self.manager.latest_checkpoint or self._restored
     return None if latest is None else int(latest.rsplit("-", 1)[-1])
 
   def save(self, step: int) -> Optional[str]:
@@ -55,7 +63,9 @@ class Checkpointer:
 
   def restore(self, scope) -> Optional[str]:
     """See `restore_latest`."""
-    return restore_latest(self.manager, scope)
+    path = restore_latest(self.manager, scope)
+    self._restored = path or self._restored
+    return path
 
 
 def manager(items, workdir: str, max_to_keep: int, is_chief: bool = True,
@@ -70,8 +80,26 @@ def manager(items, workdir: str, max_to_keep: int, is_chief: bool = True,
   directory = os.path.join(workdir, CHECKPOINT_DIR)
   if not is_chief:
     return WorkerTempManager(checkpoint, directory, task_index)
-  return tf.train.CheckpointManager(checkpoint, directory,
-                                    max_to_keep=max_to_keep)
+  return _Manager(checkpoint, directory, max_to_keep=max_to_keep)
+
+
+class _Manager(tf.train.CheckpointManager):
+  """A CheckpointManager that starts without history when the index file
+  cannot be read, instead of raising.
+
+  It then knows none of the older checkpoints, so it never deletes them;
+  `restore_latest` finds them by their names. Its first save rewrites the
+  index.
+  """
+
+  def __init__(self, checkpoint, directory, max_to_keep):
+    try:
+      super().__init__(checkpoint, directory, max_to_keep=max_to_keep)
+    except ValueError:  # Empty, or not text (UnicodeDecodeError).
+      # The state TensorFlow's constructor sets when there is no index.
+      self._maybe_delete = collections.OrderedDict()
+      self._latest_checkpoint = None
+      self._last_preserved_timestamp = time.time() - 1.0
 
 
 class WorkerTempManager:
@@ -90,11 +118,16 @@ class WorkerTempManager:
     self._chief_directory = chief_directory
     self._temp_directory = os.path.join(chief_directory,
                                         f"workertemp_{task_index}")
-    self._latest = tf.train.latest_checkpoint(chief_directory)
+    self._latest = _indexed(chief_directory)
 
   @property
   def latest_checkpoint(self):
     return self._latest
+
+  @property
+  def directory(self):
+    """Where the run's checkpoints are kept: the chief's directory."""
+    return self._chief_directory
 
   def save(self, checkpoint_number: int) -> str:
     temp = tf.train.CheckpointManager(self.checkpoint, self._temp_directory,
@@ -154,13 +187,44 @@ def _restore_first_readable(checkpoint, paths, failures):
   return None
 
 
-def _candidates(mgr):
-  """Checkpoint paths, oldest first: the manager's list, or its latest."""
+def _candidates(mgr) -> List[str]:
+  """Checkpoint paths, oldest first: the manager's list and its latest; or,
+  if the index named none, every `ckpt-N` in the directory."""
   listed = list(getattr(mgr, "checkpoints", None) or [])
   latest = mgr.latest_checkpoint
   if latest and latest not in listed:
     listed.append(latest)
-  return listed
+  if listed:
+    return listed
+  directory = mgr.directory
+  found = scan(directory)
+  if found:
+    logging.warning(
+        "The checkpoint index %s is missing or unreadable; trying the "
+        "checkpoints it should list, newest first: %s.",
+        os.path.join(directory, "checkpoint"),
+        ", ".join(os.path.basename(p) for p in reversed(found)))
+  return found
+
+
+def scan(directory: str) -> List[str]:
+  """The `ckpt-N` checkpoints in `directory` by their files, oldest first."""
+  steps = []
+  for index in glob.glob(os.path.join(glob.escape(directory),
+                                      f"{PREFIX}-*.index")):
+    match = re.fullmatch(rf"{PREFIX}-(\d+)\.index", os.path.basename(index))
+    if match:
+      steps.append(int(match.group(1)))
+  return [os.path.join(directory, f"{PREFIX}-{n}") for n in sorted(steps)]
+
+
+def _indexed(directory: str) -> Optional[str]:
+  """The latest checkpoint the index names; None if it names none or
+  cannot be read."""
+  try:
+    return tf.train.latest_checkpoint(directory)
+  except ValueError:  # Empty, or not text (UnicodeDecodeError).
+    return None
 
 
 def load_model(config, path: Optional[str] = None):
@@ -174,8 +238,8 @@ def load_model(config, path: Optional[str] = None):
   dataset = data.load(config)
   model = models.build(config.model, dataset.input_shape,
                        dataset.num_classes, options=config.model_options)
-  path = path or tf.train.latest_checkpoint(
-      os.path.join(config.workdir, CHECKPOINT_DIR))
+  directory = os.path.join(config.workdir, CHECKPOINT_DIR)
+  path = path or _indexed(directory) or (scan(directory) or [None])[-1]
   if path is None:
     raise FileNotFoundError(f"no checkpoint in {config.workdir}")
   tf.train.Checkpoint(model=model).restore(path).expect_partial()

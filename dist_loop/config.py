@@ -53,6 +53,9 @@ class Config:
   grad_accum_steps: int = 1
   nonfinite: str = "raise"
   max_rollbacks: int = 3
+  # A step whose loss is above this is treated like a non-finite one
+  # (--nonfinite); 0: no bound.
+  max_loss: float = 0.0
   grace_period_s: float = 30.0
   allow_config_change: bool = False
   eval_batch_size: int = 256
@@ -76,6 +79,9 @@ class Config:
     _check_choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
     if self.max_rollbacks < 0 or not self.grace_period_s > 0:
       raise UserError("--max_rollbacks must be >= 0 and --grace_period_s > 0")
+    if not self.max_loss >= 0:  # NaN too.
+      raise UserError(f"--max_loss must be >= 0 (0: no bound), got "
+                      f"{self.max_loss}")
     for name in ("num_devices", "global_batch_size", "train_steps",
                  "steps_per_loop", "log_every", "eval_every",
                  "checkpoint_every", "eval_batch_size", "max_checkpoints",

@@ -7,7 +7,9 @@ loop runs up to the next step an action asks for (at most `steps_per_loop`
 steps), so events land on exact steps without retracing: the step count
 reaches the traced loop as a tensor. The controller also owns what must be
 the same in every mode: the check that the step counter advanced, the
-non-finite policy, SIGTERM, and summary.json.
+non-finite policy, SIGTERM, and summary.json. In a run whose workers train
+in lockstep, a SIGTERM to any of them stops all of them at the same step
+(`dist_loop/preemption.py`).
 
 Of a trainer it uses `train`, `step`, `scope`, `on_restore`,
 `examples_per_step`, `devices` and, if the trainer subclasses `Reporting`,
@@ -45,11 +47,13 @@ class Controller:
     actions: in the order they run after a loop (`actions.standard`).
     summary_path: where to write summary.json, or None (not the chief).
     metric_names: the task's metrics; summary.json gets `train_<name>`.
+    agreement: a multi-worker run's `preemption.Agreement`, or None.
   """
 
   def __init__(self, config: Config, trainer, checkpointer, summaries,
                actions: Sequence[Action], summary_path: Optional[str] = None,
-               metric_names: Sequence[str] = ("loss", "accuracy")):
+               metric_names: Sequence[str] = ("loss", "accuracy"),
+               agreement=None):
     self.config = config
     self.trainer = trainer
     self.checkpointer = checkpointer
@@ -57,6 +61,7 @@ class Controller:
     self.actions: List[Action] = list(actions)
     self.summary_path = summary_path
     self.metric_names = tuple(metric_names)
+    self.agreement = agreement
     self.latest: Dict[str, float] = {}  # What the actions last returned.
     self.skipped = 0
     self.rollbacks = 0
@@ -101,7 +106,7 @@ class Controller:
         for action in self.actions:
           if action.due(step) or (step == cfg.train_steps and action.at_end):
             self._run_action(action, step)
-        if self._preempted:
+        if self._stop_agreed():
           self.checkpointer.save(step)
           self._saved_on_sigterm = True
           raise Interrupted(step, "SIGTERM")
@@ -165,6 +170,11 @@ class Controller:
     """--nonfinite=rollback: back to the last checkpoint; else re-raise.
     Returns the step to go on from."""
     cfg = self.config
+    what = ("non-finite loss or gradients" if not cfg.max_loss else
+            f"a loss above --max_loss={cfg.max_loss:g}, or non-finite values,")
+    if cfg.max_loss:  # The mode does not say which of the two it was.
+      error.args = (f"{what} at step {error.step}; lower --learning_rate, or "
+                    "check the input data",)
     self.summaries.scalars(error.step, {"nonfinite/at_step": error.step})
     if cfg.nonfinite != "rollback":
       raise error
@@ -172,18 +182,18 @@ class Controller:
     self.summaries.scalars(error.step, {"nonfinite/rollbacks": self.rollbacks})
     if self.rollbacks > cfg.max_rollbacks:
       raise UserError(
-          f"non-finite loss or gradients at step {error.step} after "
-          f"{cfg.max_rollbacks} rollbacks (--max_rollbacks); lower "
-          "--learning_rate, or check the input data") from None
+          f"{what} at step {error.step} after {cfg.max_rollbacks} rollbacks "
+          "(--max_rollbacks); lower --learning_rate, or check the input data"
+          ) from None
     path = self.checkpointer.restore(self.trainer.scope())
     if path is None:
-      raise UserError(f"non-finite values at step {error.step} and no "
-                      "checkpoint to roll back to yet; lower "
-                      "--checkpoint_every or --learning_rate") from None
+      raise UserError(f"{what} at step {error.step} and no checkpoint to "
+                      "roll back to yet; lower --checkpoint_every or "
+                      "--learning_rate") from None
     self.trainer.on_restore()
-    logging.warning("Non-finite values at step %d: rolled back to %s "
-                    "(rollback %d of at most %d).", error.step, path,
-                    self.rollbacks, cfg.max_rollbacks)
+    logging.warning("%s at step %d: rolled back to %s (rollback %d of at "
+                    "most %d).", what[0].upper() + what[1:].rstrip(","),
+                    error.step, path, self.rollbacks, cfg.max_rollbacks)
     return self._step()
 
   def _install_sigterm_handler(self):
@@ -206,6 +216,18 @@ class Controller:
       watchdog.start()
 
     return signal.signal(signal.SIGTERM, on_sigterm)
+
+  def _stop_agreed(self) -> bool:
+    """Whether this process, or any worker of a multi-worker run, got
+    SIGTERM; every worker calls it after every loop, so all agree."""
+    if self.agreement is None:
+      return self._preempted
+    stop = self.agreement.any(self._preempted)
+    if stop and not self._preempted:
+      logging.warning("Another worker got SIGTERM: saving a checkpoint of "
+                      "step %d with every worker, then exiting.",
+                      self._step())
+    return stop
 
   def _grace_over(self) -> None:
     if self._saved_on_sigterm:
@@ -248,6 +270,13 @@ class Controller:
     summary.update({k.replace("memory/", "memory_"): v
                     for k, v in peak_memory_mb(self.trainer.devices).items()})
     if self.summary_path:
-      atomic_write_json(self.summary_path, summary)
+      try:
+        atomic_write_json(self.summary_path, summary)
+      except OSError as e:
+        raise UserError(
+            f"cannot write {self.summary_path} ({e.strerror}); the run is "
+            f"complete and its checkpoint of step {step} is saved. Make room "
+            "for it and rerun the same command to write it") from None
+    self.summaries.final(summary)
     self.summaries.flush()
     return summary

@@ -1,4 +1,11 @@
-"""Crash-safe writes of the small files a run leaves in its workdir."""
+"""Crash-safe writes of the small files a run leaves in its workdir.
+
+A write goes to a temporary file in the same directory, is flushed to disk,
+and replaces the target in one rename; the directory is then synced so the
+rename itself survives a power cut. A failure (a full disk, a directory in
+the target's place) raises `OSError` with the old file intact and no
+temporary file left.
+"""
 
 import json
 import os
@@ -16,10 +23,21 @@ def atomic_write_text(path: str, text: str) -> None:
       f.flush()
       os.fsync(f.fileno())
     os.replace(tmp, path)
+    _sync_directory(directory)
   except BaseException:
     if os.path.exists(tmp):
       os.unlink(tmp)
     raise
+
+
+def _sync_directory(directory: str) -> None:
+  fd = os.open(directory, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  except OSError:
+    pass  # Not every filesystem syncs directories; the rename is done.
+  finally:
+    os.close(fd)
 
 
 def atomic_write_json(path: str, data) -> None:

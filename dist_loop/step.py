@@ -16,7 +16,8 @@ single-device training:
 
 `run_steps` is the inner loop of the modes that apply one update per step
 (sync and pipeline): the step counter, the non-finite policy and loss-scale
-skips, and the means of the metrics over the loop.
+skips, the divergence guard (`--max_loss`), and the means of the metrics
+over the loop.
 """
 
 from typing import Callable, Dict, Optional, Sequence, Tuple
@@ -100,9 +101,20 @@ def accumulated_gradients(task: Task, model, x, y, *, chunks: int,
 StepFn = Callable[..., Tuple[Dict[str, tf.Tensor], tf.Tensor, object]]
 
 
+def above_bound(loss: tf.Tensor, max_loss: float):
+  """The divergence guard of every mode (`--max_loss`): whether a finite
+  loss is above `max_loss`. Python False without a bound (0), so a run
+  without one traces no extra op. A non-finite loss is the non-finite
+  policy's, not this."""
+  if not max_loss:
+    return False
+  loss = tf.cast(loss, tf.float32)
+  return tf.math.is_finite(loss) & (loss > max_loss)
+
+
 def run_steps(step_fn: StepFn, iterator, num_steps: tf.Tensor,
               step: tf.Variable, *, keys: Sequence[str], nonfinite: str,
-              loss_scale=None, carry=()):
+              loss_scale=None, carry=(), max_loss: float = 0.0):
   """Runs `num_steps` steps of `step_fn` inside the caller's tf.function.
 
   Args:
@@ -121,11 +133,14 @@ def run_steps(step_fn: StepFn, iterator, num_steps: tf.Tensor,
       and any other non-finite step ends the loop, not applied.
     loss_scale: the DynamicLossScale, or None.
     carry: the initial carry.
+    max_loss: a step whose loss is above it ends the loop like a
+      non-finite step, whatever `nonfinite` says (its update is already
+      applied, so it cannot be skipped); 0: no bound.
 
   Returns:
     (means, bad_step, carry): the means over applied steps plus
     `skipped_steps` (and `loss_scale` if any); the step at which a
-    non-finite step ended the loop, or -1.
+    non-finite (or diverged) step ended the loop, or -1.
   """
   skip_all = nonfinite == "skip"
   may_skip = skip_all or loss_scale is not None
@@ -137,7 +152,8 @@ def run_steps(step_fn: StepFn, iterator, num_steps: tf.Tensor,
     metrics, ok, new_carry = step_fn(next(iterator))
     step.assign_add(1)
     loss_ok = tf.math.is_finite(metrics["loss"])
-    if not (loss_ok or skip_all) or not (ok or may_skip):
+    diverged = above_bound(metrics["loss"], max_loss)
+    if diverged or not (loss_ok or skip_all) or not (ok or may_skip):
       bad_step = step.read_value()
       break
     done += 1

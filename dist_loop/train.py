@@ -1,10 +1,12 @@
 """`run(config)`: the whole training run, from a Config to summary.json.
 
-Order matters here. Everything that can fail on bad input (flags, devices,
-data, model) happens before the workdir is touched, so an error at the door
-leaves an existing run exactly as it was. Then the workdir gets the resolved
-flags, the latest checkpoint is restored, and the controller takes over.
-The cluster (`TF_CONFIG`) is read once, here, and passed down.
+Order matters here (the write order is `dist_loop/workdir.py`'s). Everything
+that can fail on bad input (flags, the workdir's state, devices, data,
+model) happens before anything is written, so an error at the door leaves
+an existing run exactly as it was. The run holds the workdir's lock from
+before TensorFlow's devices are configured to the end. The latest readable
+checkpoint is restored before flags.txt is written; then the controller
+takes over. The cluster (`TF_CONFIG`) is read once, here, and passed down.
 """
 
 import os
@@ -14,18 +16,21 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from dist_loop import actions, checkpoints, configure, data, devices, tasks
+from dist_loop import actions, checkpoints, configure, console, data
+from dist_loop import devices, tasks
 from dist_loop import cluster as cluster_lib
+from dist_loop import preemption
+from dist_loop import workdir as workdir_lib
 from dist_loop.config import Config
 from dist_loop.controller import Controller
 from dist_loop.errors import UserError
 from dist_loop.evaluation import Evaluator
 from dist_loop.files import atomic_write_text
 from dist_loop.modes import MODES, build_trainer
-from dist_loop.summaries import Summaries
+from dist_loop.summaries import LOGDIR, Summaries
 
-FLAGS_FILE = "flags.txt"
-SUMMARY_FILE = "summary.json"
+FLAGS_FILE = workdir_lib.FLAGS_FILE
+SUMMARY_FILE = workdir_lib.SUMMARY_FILE
 
 
 def run(config: Config, flags_text: Optional[str] = None,
@@ -49,45 +54,47 @@ def run(config: Config, flags_text: Optional[str] = None,
   if cluster is None:
     cluster = cluster_lib.current()
   config = configure.validate(config, cluster)
-  _check_layout_unchanged(config)
+  workdir_lib.check(config, dirs=(LOGDIR,))  # Before joining a cluster.
   mode = MODES.get(config.mode)
   mode.join_cluster(config, cluster)  # Before TensorFlow starts.
-  device_names = devices.configure(config.num_devices, config.device_type,
-                                   config.intra_op_threads,
-                                   config.inter_op_threads)
-  keras.utils.set_random_seed(config.seed)
-  if config.deterministic:
-    tf.config.experimental.enable_op_determinism()
-  dataset = data.load(config)
-  try:
-    trainer = build_trainer(config, device_names, dataset, cluster)
+  lock = workdir_lib.Lock(config.workdir, workdir_lib.lock_name(
+      cluster.task_type, cluster.task_index, cluster.is_chief))
+  with lock:
+    workdir_lib.check(config, dirs=(LOGDIR,))  # As no other run can change it.
+    device_names = devices.configure(config.num_devices, config.device_type,
+                                     config.intra_op_threads,
+                                     config.inter_op_threads)
+    keras.utils.set_random_seed(config.seed)
+    if config.deterministic:
+      tf.config.experimental.enable_op_determinism()
+    dataset = data.load(config)
     try:
-      return _train(config, trainer, dataset, cluster, flags_text)
-    finally:
-      trainer.close()
-  except tf.errors.OpError as e:
-    error = mode.cluster_error(config, cluster, e)
-    if error is None:
-      raise
-    raise error from None
+      trainer = build_trainer(config, device_names, dataset, cluster)
+      try:
+        return _train(config, trainer, dataset, cluster, flags_text)
+      finally:
+        trainer.close()
+    except tf.errors.OpError as e:
+      error = mode.cluster_error(config, cluster, e)
+      if error is None:
+        raise
+      raise error from None
 
 
 def _train(config, trainer, dataset, cluster, flags_text):
   """Everything that writes to the workdir, in order."""
   workdir = config.workdir
-  os.makedirs(workdir, exist_ok=True)
-  if trainer.is_chief:
-    atomic_write_text(os.path.join(workdir, FLAGS_FILE),
-                      flags_text or config.to_flagfile())
   checkpointer = checkpoints.Checkpointer(
       trainer.checkpoint_items(), workdir, config.max_checkpoints,
       trainer.is_chief, cluster.task_index)
   checkpointer.restore(trainer.scope())
+  if trainer.is_chief:
+    _write(os.path.join(workdir, FLAGS_FILE),
+           flags_text or config.to_flagfile())
   summaries = Summaries(workdir, enabled=trainer.is_chief)
   summaries.hparams(_hparams(config))
-  logging.info("mode=%s devices=%s model=%s dataset=%s (%d train / %d eval)",
-               config.mode, ",".join(trainer.devices), config.model,
-               config.dataset, len(dataset.train_y), len(dataset.eval_y))
+  logging.info("%s", console.banner(config, trainer.devices, trainer.model,
+                                    dataset))
   task = tasks.for_dataset(dataset)
   evaluator = Evaluator(trainer.model, dataset, config.eval_batch_size, task)
   controller = Controller(
@@ -95,25 +102,21 @@ def _train(config, trainer, dataset, cluster, flags_text):
       actions.standard(config, trainer, evaluator, checkpointer, summaries,
                        task),
       os.path.join(workdir, SUMMARY_FILE) if trainer.is_chief else None,
-      metric_names=task.metric_names)
+      metric_names=task.metric_names,
+      agreement=preemption.Agreement.for_run(trainer, cluster))
   try:
     return controller.run()
   finally:
     summaries.close()
 
 
-def _check_layout_unchanged(config: Config) -> None:
-  """Refuses to resume a workdir under a different model or device layout."""
-  path = os.path.join(config.workdir, FLAGS_FILE)
-  if config.allow_config_change or not os.path.exists(path):
-    return
-  with open(path) as f:
-    changes = config.layout_changes(f.read())
-  if changes:
-    raise UserError(
-        f"{config.workdir} holds a run with other settings "
-        f"({'; '.join(changes)}). Use a new --workdir, restore the old values, "
-        "or pass --allow_config_change to resume anyway")
+def _write(path: str, text: str) -> None:
+  try:
+    atomic_write_text(path, text)
+  except OSError as e:
+    raise UserError(f"cannot write {path} ({e.strerror}); nothing else was "
+                    "written. Free some space, or fix its permissions"
+                    ) from None
 
 
 def _hparams(config: Config) -> Dict[str, object]:

@@ -106,6 +106,11 @@ flags.DEFINE_enum("nonfinite", "raise", config_lib.NONFINITE_POLICIES,
                   "rollback (restore the last checkpoint).", **_in)
 flags.DEFINE_integer("max_rollbacks", 3, "With --nonfinite=rollback: give up "
                      "after this many.", lower_bound=0, **_in)
+flags.DEFINE_float("max_loss", 0.0, "A step whose loss (in nats) is above "
+                   "this is a divergence, handled like a non-finite step "
+                   "(--nonfinite=raise or rollback); 0: no bound. A bound "
+                   "of ~100x the first logged loss catches a run that blows "
+                   "up.", lower_bound=0.0, **_in)
 flags.DEFINE_float("grace_period_s", 30.0, "After SIGTERM, seconds to save a "
                    "checkpoint and exit.", lower_bound=0.1, **_in)
 flags.DEFINE_bool("allow_config_change", False, "Resume a workdir even if "

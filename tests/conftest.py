@@ -46,19 +46,30 @@ def max_diff(a, b):
 def read_events(logdir):
   """What a run wrote to TensorBoard, read from its event files.
 
+  Args:
+    logdir: a directory as `tensorboard --logdir` takes it, usually
+      WORKDIR/tb (`dist_loop.summaries.LOGDIR`).
+
   Returns:
-    {tag: {step: value}}: a scalar as a float; anything else (histogram,
-    image, the graph of a traced call, the run's hparams under
-    "_hparams_/session_start_info") as its `Summary.Value`.
+    {name: {step: value}}, named as TensorBoard names them: RUN/TAG, where
+    RUN is the event file's directory relative to `logdir` (`train/loss`,
+    `eval/loss`, `train/async/staleness_mean`), and just TAG in `logdir`
+    itself (`_hparams_/session_start_info`). A scalar reads as a float;
+    anything else (histogram, image, the graph of a traced call, the hparams)
+    as its `Summary.Value`.
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   out, plugins = {}, {}
-  for path in sorted(glob.glob(os.path.join(logdir, "events.out.tfevents.*"))):
+  paths = glob.glob(os.path.join(logdir, "**", "events.out.tfevents.*"),
+                    recursive=True)
+  for path in sorted(paths):
+    run = os.path.relpath(os.path.dirname(path), logdir)
     for event in tf.compat.v1.train.summary_iterator(path):
       for value in event.summary.value:
+        name = value.tag if run == "." else f"{run}/{value.tag}"
         plugin = value.metadata.plugin_data.plugin_name
-        plugin = plugins.setdefault(value.tag, plugin)  # Named at first.
-        out.setdefault(value.tag, {})[event.step] = (
+        plugin = plugins.setdefault(name, plugin)  # Named at first.
+        out.setdefault(name, {})[event.step] = (
             float(tf.make_ndarray(value.tensor)) if plugin == "scalars"
             else value)
   return out

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from conftest import read_events
 from dist_loop import UserError, checkpoints, configure, data, devices, models
 from dist_loop import train
 from dist_loop.cluster import Cluster
@@ -21,6 +22,7 @@ from dist_loop.modes.asynchronous import threads
 from dist_loop.modes.asynchronous.session import Session
 from dist_loop.modes.asynchronous.trainer import AsyncTrainer
 from dist_loop.modes.asynchronous.threads import WorkerFailed
+from dist_loop.summaries import LOGDIR
 
 
 def async_threads():
@@ -173,16 +175,13 @@ def test_run_logs_staleness_and_resumes_in_sync_mode(small_config):
   with open(os.path.join(config.workdir, "summary.json")) as f:
     assert json.load(f)["async_dropped"] == summary["async_dropped"]
 
-  tags = set()
-  for name in os.listdir(os.path.join(config.workdir, "tb")):
-    for event in tf.compat.v1.train.summary_iterator(
-        os.path.join(config.workdir, "tb", name)):
-      tags.update(v.tag for v in event.summary.value)
-  for tag in ("async/staleness", "async/staleness_mean", "async/dropped",
-              "async/skipped_pushes", "async/worker3_steps_per_sec",
-              "train/loss", "eval/accuracy"):
+  tags = set(read_events(os.path.join(config.workdir, LOGDIR)))
+  for tag in ("train/async/staleness", "train/async/staleness_mean",
+              "train/async/dropped", "train/async/skipped_pushes",
+              "train/async/worker3_steps_per_sec", "train/loss",
+              "eval/accuracy"):
     assert tag in tags
-  assert not tags & {"async/updates_per_sec", "async/skipped"}
+  assert not tags & {"train/async/updates_per_sec", "train/async/skipped"}
 
   # Checkpoints are interchangeable: sync resumes the async run.
   sync = small_config(mode="sync", num_devices=2, straggler="1:2",

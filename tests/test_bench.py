@@ -24,6 +24,16 @@ def test_mfu_flop_count_matches_hand_count():
   assert mfu.train_flops_per_step(5, [2, 3, 4]) == 2 * first + 3 * second
 
 
+def test_transformer_flop_count_matches_hand_count():
+  # B=2, T=3, one block of d=4, MLP ratio 2, vocabulary 5.
+  qkvo = 4 * 2 * 4 * 4
+  mlp = 2 * 2 * 4 * 8
+  attention = 2 * 2 * 3 * 4  # Scores and values, per token.
+  head = 2 * 4 * 5
+  assert mfu.transformer_flops_per_step(2, 3, 1, 4, mlp_ratio=2, vocab=5) == (
+      3 * 2 * 3 * (qkvo + mlp + attention + head))
+
+
 def test_variants_are_timed_interleaved_and_reported_by_median():
   calls = []
   clock = iter(range(100))
@@ -81,7 +91,9 @@ def test_quick_suites_write_consistent_json(tmp_path):
 
   overhead = suites["overhead"]["rows"]
   assert [(r["model"], r["devices"], r["fit steps_per_execution"])
-          for r in overhead] == [("mlp", 1, 20), ("mlp", 2, 1)]
+          for r in overhead] == [("mlp", 1, 20), ("mlp", 2, 1),
+                                 ("transformer", 1, 20),
+                                 ("transformer", 2, 1)]
   for r in overhead:
     assert all(_positive(r[k]) for k in
                ("dist_loop ex/s", "keras_fit ex/s", "bare ex/s"))
@@ -89,12 +101,14 @@ def test_quick_suites_write_consistent_json(tmp_path):
                                         / r["keras_fit ex/s"])
     assert r["vs bare"] == pytest.approx(r["dist_loop ex/s"] / r["bare ex/s"])
 
-  (row,) = suites["mfu"]["rows"]
-  assert row["model"] == "4x2048 MLP, batch 32, SGD"
-  assert _positive(row["train GFLOP/s"]) and _positive(
-      row["matmul peak GFLOP/s"])
-  assert row["MFU"] == pytest.approx(row["train GFLOP/s"]
-                                     / row["matmul peak GFLOP/s"])
+  mlp_row, lm_row = suites["mfu"]["rows"]
+  assert mlp_row["model"] == "4x2048 MLP, batch 32, SGD"
+  assert lm_row["model"].startswith("Transformer L=1 d=32 T=16")
+  for row in (mlp_row, lm_row):
+    assert _positive(row["train GFLOP/s"]) and _positive(
+        row["matmul peak GFLOP/s"])
+    assert row["MFU"] == pytest.approx(row["train GFLOP/s"]
+                                       / row["matmul peak GFLOP/s"])
 
   rows = suites["data_parallel"]["rows"]
   assert [(r["devices"], r["bytes_per_pack"], r["compression"])

@@ -60,6 +60,26 @@ def test_an_unreadable_newest_checkpoint_falls_back_to_the_one_before(
         tf.distribute.get_strategy().scope())
 
 
+@pytest.mark.parametrize("is_chief", [True, False], ids=["chief", "worker"])
+def test_an_unreadable_index_is_replaced_by_the_checkpoints_names(
+    tmp_path, is_chief):
+  items = _items()
+  saver = checkpoints.Checkpointer(items, str(tmp_path), max_to_keep=5)
+  for step in (2, 4, 10):
+    items["w"].assign([step, step])
+    saver.save(step)
+  (tmp_path / "checkpoints" / "checkpoint").write_bytes(b"\xff\xfe garbage")
+  assert [os.path.basename(p) for p in checkpoints.scan(
+      str(tmp_path / "checkpoints"))] == ["ckpt-2", "ckpt-4", "ckpt-10"]
+  fresh = _items(-1.0)
+  reader = checkpoints.Checkpointer(fresh, str(tmp_path), 5, is_chief,
+                                    task_index=1)
+  assert reader.restore(tf.distribute.get_strategy().scope()).endswith(
+      "ckpt-10")
+  assert fresh["w"].numpy().tolist() == [10.0, 10.0]
+  assert reader.saved_step == 10  # So the same step is not saved again.
+
+
 def test_a_lost_peer_is_not_taken_for_an_unreadable_checkpoint(
     tmp_path, monkeypatch):
   # A PS that died while the checkpoint was read makes every checkpoint

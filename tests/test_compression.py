@@ -87,6 +87,20 @@ def test_lossy_settings_differ_from_exact(small_config, exact, flags):
   assert max_diff(trained, exact["float32"]) > 1e-3
 
 
+def test_the_extension_compressor_trains_alike_on_any_replica_count(
+    small_config, exact):
+  """experiments/extensions/randomk.py: one class, one registration."""
+  from experiments.extensions import randomk  # pylint: disable=g-import-not-at-top
+  assert compression.COMPRESSORS.get("randomk") is randomk.RandomK
+  one, _ = _train(small_config(num_devices=1, allreduce_compression="randomk"))
+  two, summary = _train(small_config(num_devices=2,
+                                     allreduce_compression="randomk"))
+  assert max_diff(one, two) <= 1e-5
+  assert max_diff(two, exact["float32"]) > 1e-3
+  picked = sum(int(np.ceil(randomk.FRACTION * n * m)) for n, m in KERNELS)
+  assert summary["allreduce_bytes_per_step"] == 4 * (sum(BIASES) + picked)
+
+
 # -- error feedback, on one reduce of known gradients --
 
 def _reduce_twice(compressor, grads, residuals):
@@ -190,9 +204,9 @@ def test_resume_equals_uninterrupted_and_bytes_are_logged(small_config):
   assert summary["allreduce_bytes_per_step"] == (
       summary["allreduce_bytes_total"] / 12)
   events = read_events(os.path.join(config.workdir, LOGDIR))
-  assert events["comm/bytes_per_step"] == {
+  assert events["train/comm/bytes_per_step"] == {
       3: compressed, 6: compressed, 9: compressed, 12: compressed}
-  assert events["comm/ratio_to_float32"][12] == pytest.approx(
+  assert events["train/comm/ratio_to_float32"][12] == pytest.approx(
       compressed / (4 * PARAMS), rel=1e-6)
 
 

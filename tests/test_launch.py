@@ -1,4 +1,5 @@
-"""The local launcher: per-task TF_CONFIG and logs, failures, Ctrl-C.
+"""The local launcher: per-task TF_CONFIG and logs, failures, restarts,
+Ctrl-C.
 
 The tasks here are tiny Python programs, not training runs, so these tests
 take seconds; tests/test_multiworker.py and tests/test_ps.py launch real
@@ -7,6 +8,7 @@ training.
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -32,6 +34,28 @@ if task["index"] == 1:
   print("boom: worker 1 gives up", flush=True)
   sys.exit(3)
 time.sleep(60)
+"""
+
+# Records each of its runs (its cluster spec) in WORKDIR/runs-<job>-<i>; the
+# task named by argv[3] fails with exit code 3 in its first argv[2] runs.
+# Training tasks then finish; servers (a PS cluster's workers and PSs) wait.
+FAIL_FIRST_RUNS = """
+import json, os, sys, time
+config = json.loads(os.environ["TF_CONFIG"])
+job, index = config["task"]["type"], config["task"]["index"]
+workdir = sys.argv[1].split("=", 1)[1]
+os.makedirs(workdir, exist_ok=True)
+runs = os.path.join(workdir, f"runs-{job}-{index}")
+with open(runs, "a") as f:
+  f.write(json.dumps(config["cluster"], sort_keys=True) + "\\n")
+with open(runs) as f:
+  run = len(f.read().splitlines())
+if f"{job}:{index}" == sys.argv[3] and run <= int(sys.argv[2]):
+  print("boom", flush=True)
+  sys.exit(3)
+if job == "ps" or (job == "worker" and "ps" in config["cluster"]):
+  time.sleep(60)
+time.sleep(1.0)
 """
 
 # Says when it got SIGINT, then exits 130 like the train command does.
@@ -126,3 +150,77 @@ def test_command_without_workdir_needs_log_dir():
       text=True, timeout=30, env=dict(os.environ))
   assert result.returncode == 2
   assert "--log_dir" in result.stderr
+
+
+def _launch_failing(workdir, task, fails, *launcher_args):
+  return run_launch(*launcher_args, "--", sys.executable, "-c",
+                    FAIL_FIRST_RUNS, f"--workdir={workdir}", str(fails), task,
+                    timeout=60)
+
+
+def _restart_lines(out):
+  return [line for line in out.splitlines() if "failed" in line and
+          "; restart " in line]
+
+
+def _runs(workdir, task):
+  return (workdir / f"runs-{task}").read_text().splitlines()
+
+
+def test_max_restarts_restarts_the_whole_cluster_with_the_same_command(
+    tmp_path):
+  workdir = tmp_path / "run"
+  result = _launch_failing(workdir, "worker:1", 2, "--num_workers=2",
+                           "--max_restarts=3")
+  assert result.returncode == 0, result.stdout
+  assert _restart_lines(result.stdout) == [
+      f"[launch] worker:1 failed (exit code 3); restart {k} of 3: stopping "
+      "every task and restarting the cluster (log "
+      f"{workdir / 'logs' / 'worker-1.log'})" for k in (1, 2)]
+  # Every task ran three times, on the same cluster (the ports were free).
+  for task in ("worker-0", "worker-1"):
+    runs = _runs(workdir, task)
+    assert len(runs) == 3 and len(set(runs)) == 1
+  log = (workdir / "logs" / "worker-0.log").read_text()
+  assert "[launch] restart 2 of 3" in log
+
+
+def test_after_max_restarts_the_failing_tasks_code_is_the_exit_code(
+    tmp_path):
+  workdir = tmp_path / "run"
+  result = _launch_failing(workdir, "worker:0", 99, "--num_workers=2",
+                           "--max_restarts=1")
+  assert result.returncode == 3, result.stdout
+  assert len(_restart_lines(result.stdout)) == 1
+  assert "worker:0 failed (exit code 3); last lines of" in result.stdout
+  assert len(_runs(workdir, "worker-1")) == 2
+
+
+def test_a_lost_ps_restarts_a_ps_cluster_and_a_lost_worker_does_not(
+    tmp_path):
+  workdir = tmp_path / "run"
+  result = _launch_failing(workdir, "ps:0", 1, "--num_workers=1",
+                           "--num_ps=1", "--max_restarts=2")
+  assert result.returncode == 0, result.stdout
+  assert len(_restart_lines(result.stdout)) == 1
+  assert len(_runs(workdir, "chief-0")) == 2
+  result = _launch_failing(tmp_path / "run2", "worker:0", 99,
+                           "--num_workers=1", "--num_ps=1",
+                           "--max_restarts=2")
+  assert result.returncode == 0, result.stdout
+  assert "training goes on" in result.stdout
+  assert not _restart_lines(result.stdout)
+
+
+def test_a_restart_waits_for_the_ports_of_the_stopped_cluster():
+  port = launch.free_ports(1)[0]
+  spec = {"worker": [f"localhost:{port}"]}
+  server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+  server.bind(("", port))
+  server.listen()
+  try:
+    assert not local_cluster.ports_free(spec)
+    assert not local_cluster.wait_for_ports(spec, timeout_s=0.3)
+  finally:
+    server.close()
+  assert local_cluster.wait_for_ports(spec, timeout_s=5)

@@ -25,7 +25,8 @@ from dist_loop.data.base import DATASETS, Dataset
 from dist_loop.data.stream import train_dataset_fn
 from dist_loop.errors import NonFiniteError, UserError
 from dist_loop.modes import build_trainer
-from dist_loop.modes.local_sgd import outer, replicas
+from dist_loop import replicas
+from dist_loop.modes.local_sgd import outer
 from dist_loop.modes.local_sgd.options import LocalSGDOptions
 
 LOCAL = dict(mode="local_sgd", num_devices=2)

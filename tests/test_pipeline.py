@@ -35,10 +35,18 @@ TOLERANCE = 1e-5
 LOCAL = Cluster()
 FP16 = dict(precision="mixed_float16")
 # K=2 stages (flatten+dense | logits) of M=4 micro-batches of 8; or 2
-# replicas of them, M=2 each.
+# replicas of them, M=2 each. Untimed: one traced loop (timing is tested in
+# test_pipeline_v2.py).
 K2 = dict(mode="pipeline", num_devices=2, num_stages=2, num_microbatches=4,
-          stage_split="explicit", split_points="2")
+          stage_split="explicit", split_points="2", pipeline_timing="never")
 R2K2 = dict(K2, num_devices=4, num_microbatches=2)
+
+
+@pytest.fixture(autouse=True)
+def eager_costs(monkeypatch):
+  """The traced measurement of layer costs adds a trace to each trainer;
+  test_pipeline_v2.py tests it."""
+  monkeypatch.setattr(PipelineTrainer, "cost_measurement", "eager")
 
 
 @MODELS.register("test_regularized_mlp")
@@ -130,8 +138,8 @@ def test_hybrid_two_replicas_of_two_stages_equals_sync(tmp, sync_reference,
 
 
 def test_three_stages_explicit_split_equals_sync(tmp, sync_reference):
-  cfg = config("three", tmp, mode="pipeline", num_devices=3, num_stages=3,
-               num_microbatches=2, stage_split="explicit", split_points="1,2")
+  cfg = config("three", tmp, **dict(K2, num_devices=3, num_stages=3,
+                                    num_microbatches=2, split_points="1,2"))
   assert max_diff(sync_reference, trained(cfg)[0]) <= TOLERANCE
 
 
@@ -260,29 +268,37 @@ def test_nonfinite_skip_drops_the_step(tmp):
 def test_stages_live_on_their_devices_and_report_the_bubble(tmp):
   trainer = build(config("placed", tmp, mode="pipeline", model="cnn",
                          num_devices=2, num_stages=2, num_microbatches=2,
-                         global_batch_size=8))
+                         global_batch_size=8, pipeline_timing="every"))
   # The seed CNN's own split: conv+pool | flatten+dense+dense.
   assert [s.layer_names for s in trainer.stages] == [
       ("conv", "pool"), ("flatten", "dense_1", "logits")]
   for var in trainer.model.trainable_variables:
     stage = 0 if var.path.startswith("conv") else 1
     assert var.value.device.endswith(f"CPU:{stage}"), var.path
-  assert not trainer.report().images  # No step measured yet.
+  before = trainer.report()  # Only the prediction before any step.
+  assert "pipeline/bubble_measured" not in before.scalars
+  assert before.scalars["pipeline/bubble_formula"] == pytest.approx(1 / 3)
   metrics = trainer.train(2)
   assert int(trainer.step.numpy()) == 2
-  assert set(metrics) == {
-      "train/loss", "train/accuracy", "train/grad_norm", "train/skipped_steps",
-      "pipeline/bubble_measured", "pipeline/bubble_formula",
-      "pipeline/step_ms"}
-  assert metrics["pipeline/bubble_formula"] == pytest.approx(1 / 3)
-  assert 0.0 <= metrics["pipeline/bubble_measured"] < 1.0
-  assert metrics["pipeline/step_ms"] > 0
-  image = trainer.report().images["pipeline/timeline"]
+  assert set(metrics) == {"train/loss", "train/accuracy", "train/grad_norm",
+                          "train/skipped_steps"}
+  report = trainer.report()
+  assert set(report.scalars) == {
+      "pipeline/bubble_measured", "pipeline/bubble_predicted",
+      "pipeline/bubble_formula", "pipeline/step_ms",
+      "pipeline/step_ms_predicted"}
+  assert 0.0 <= report.scalars["pipeline/bubble_measured"] < 1.0
+  assert 0.0 < report.scalars["pipeline/bubble_predicted"] < 1.0
+  assert report.scalars["pipeline/step_ms"] > 0
+  image = report.images["pipeline/timeline"]
+  # The measured chart above the predicted one.
   assert image.dtype == np.uint8 and image.ndim == 3
+  assert image.shape[0] > before.images["pipeline/timeline"].shape[0]
   assert trainer.summary()["pipeline_split"] == [
       ["conv", "pool"], ["flatten", "dense_1", "logits"]]
   trainer.train(1)  # Another loop length: the same trace.
-  assert int(trainer.step.numpy()) == 3 and trainer.trace_count == 1
+  assert int(trainer.step.numpy()) == 3
+  assert trainer.trace_counts == {True: 1, False: 0}
   trainer.close()
 
 
@@ -292,16 +308,20 @@ def test_fp16_pipeline_reaches_float32_accuracy_and_logs_its_timeline(tmp):
   common = dict(dataset="digits", global_batch_size=64, train_steps=150,
                 steps_per_loop=50, log_every=50, eval_every=150,
                 checkpoint_every=150)
-  cfg = config("digits_fp16", tmp, **K2, **FP16, **common)
+  # The default timing: only the step at each log line is timed.
+  cfg = config("digits_fp16", tmp, **dict(K2, pipeline_timing="log"), **FP16,
+               **common)
   summary = train.run(cfg)
   assert summary["eval_accuracy"] >= 0.962, summary
   assert summary["pipeline_stages"] == 2
   tags = set()
-  for path in glob.glob(os.path.join(cfg.workdir, "tb", "*")):
+  for path in glob.glob(os.path.join(cfg.workdir, "tb", "**",
+                                     "events.out.tfevents.*"), recursive=True):
     for event in tf.compat.v1.train.summary_iterator(path):
       tags.update(v.tag for v in event.summary.value)
   assert {"pipeline/timeline", "pipeline/bubble_measured",
-          "pipeline/bubble_formula", "pipeline/step_ms"} <= tags
+          "pipeline/bubble_predicted", "pipeline/bubble_formula",
+          "pipeline/step_ms"} <= tags
 
 
 # -- checks at the door --

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from dist_loop.errors import UserError
-from dist_loop.modes.pipeline import partition, timeline
+from dist_loop.modes.pipeline import partition, simulator, timeline
 from dist_loop.modes.pipeline import schedule as sl
 
 
@@ -49,17 +49,22 @@ def test_1f1b_holds_at_most_k_microbatches(k, m):
 @pytest.mark.parametrize("k,m", [(2, 1), (2, 4), (3, 5), (4, 16)])
 def test_simulated_bubble_is_the_formula(name, k, m):
   # Equal stages, backward twice the forward: idle = (K-1)/(M+K-1).
-  runs = sl.simulate(sl.make(name, k, m), 1.0, 2.0)
-  span = max(end for row in runs for _, _, end in row)
-  busy = sum(end - start for row in runs for _, start, end in row)
+  bars = simulator.simulate(sl.make(name, k, m)).bars
+  span = max(end for _, _, _, end in bars)
+  busy = sum(end - start for _, _, start, end in bars)
   assert 1 - busy / (k * span) == pytest.approx(sl.bubble_formula(k, m))
 
 
 def test_bad_schedules_are_rejected():
-  with pytest.raises(UserError, match="exactly once"):
+  with pytest.raises(UserError, match="chunk 1 .* exactly once.*: F$"):
     sl.validate([[sl.F(0), sl.B(0)], [sl.F(0)]], 2, 1)
-  with pytest.raises(UserError, match="B0 before F0"):
+  with pytest.raises(UserError, match="in that order.*: B F"):
     sl.validate([[sl.B(0), sl.F(0)]], 1, 1)
+  with pytest.raises(UserError, match="in that order.*: F W I"):
+    sl.validate([[sl.F(0), sl.W(0), sl.I(0)]], 1, 1)
+  with pytest.raises(UserError, match="device 0 runs F0 of chunk 1, which "
+                                      "is on device 1"):
+    sl.validate(sl.Schedule.of([[sl.F(0, 1)], [sl.F(0, 0)]], [0, 1]), 2, 1)
   # Stage 0 waits for B0 before F1, but stage 1 runs F1 (needs stage 0's F1)
   # before B0: neither can go on.
   with pytest.raises(UserError, match="deadlocks"):
@@ -79,8 +84,10 @@ def _in_order(num_stages, num_microbatches):
 def test_a_registered_schedule_is_usable():
   assert text(sl.make("test_all_f_then_b_in_order", 2, 2)) == [
       "F0 F1 B0 B1", "F0 F1 B0 B1"]
-  assert "stage 1: F0 F1 B0 B1" in sl.format_schedule(
+  assert "device 1 (chunks 1): F0 F1 B0 B1" in sl.format_schedule(
       sl.make("test_all_f_then_b_in_order", 2, 2))
+  with pytest.raises(UserError, match="one chunk of layers on each device"):
+    sl.make("test_all_f_then_b_in_order", 2, 2, virtual_stages=2)
 
 
 def test_balance_minimises_the_largest_stage():
@@ -97,7 +104,8 @@ def test_split_points_are_checked():
     partition.parse_split_points("2;4")
   with pytest.raises(UserError, match=r"out of range.*1\.\.4"):
     partition.check_split_points([5], 2, 5)
-  with pytest.raises(UserError, match="gives 3 stages"):
+  with pytest.raises(UserError, match="gives 3 chunks but --num_stages=2 "
+                                      "needs 2"):
     partition.check_split_points([1, 2], 2, 5)
   with pytest.raises(UserError, match="strictly increasing"):
     partition.check_split_points([3, 2], 3, 5)
@@ -110,26 +118,115 @@ def test_timeline_draws_forwards_and_backwards():
   colours = {tuple(c) for c in image.reshape(-1, 3)}
   assert (66, 133, 244) in colours and (52, 168, 83) in colours
   # Measured timestamps in schedule order give the same bars.
-  starts = np.array([[s for _, s, _ in row] for row in sl.simulate(
-      sl.make("1f1b", 2, 4))]) + 100.0
-  ends = np.array([[e for _, _, e in row] for row in sl.simulate(
-      sl.make("1f1b", 2, 4))]) + 100.0
-  measured = timeline.bars_from_timestamps(sl.make("1f1b", 2, 4), starts,
-                                           ends)
+  schedule = sl.make("1f1b", 2, 4)
+  order = {(d, a): (s, e) for d, a, s, e in bars}
+  starts = np.array([[order[(d, a)][0] for a in row]
+                     for d, row in enumerate(schedule)]) + 100.0
+  ends = np.array([[order[(d, a)][1] for a in row]
+                   for d, row in enumerate(schedule)]) + 100.0
+  measured = timeline.bars_from_timestamps(schedule, starts, ends)
   assert sorted(measured, key=str) == sorted(bars, key=str)
 
 
 def test_choose_takes_the_declared_split_only_for_auto():
   from dist_loop import models  # pylint: disable=g-import-not-at-top
   layers = models.build("mlp", (10,), 10).layers  # flatten, dense_1, logits
-  stages, how = partition.choose("auto", layers, 2, "", (1,), (10,), 4)
+  seconds = [0.0, 1.0, 5.0]
+  stages, how = partition.choose("auto", layers, 2, "", (1,), seconds)
   assert how == "the model's own split"
   assert [s.layer_names for s in stages] == [("flatten",),
                                              ("dense_1", "logits")]
+  stages, how = partition.choose("auto", layers, 2, "", None, seconds)
+  assert how == "measured time" and [s.end for s in stages] == [2, 3]
+  assert [s.seconds for s in stages] == [1.0, 5.0]
   # dense_1 has 1408 parameters, logits 1290: balanced, they part.
-  stages, how = partition.choose("params", layers, 2, "", (1,), (10,), 4)
+  stages, how = partition.choose("params", layers, 2, "", (1,), seconds)
   assert how == "params" and [s.end for s in stages] == [2, 3]
-  stages, how = partition.choose("explicit", layers, 3, "1,2", None, (10,), 4)
+  stages, how = partition.choose("explicit", layers, 3, "1,2", None, seconds)
   assert [s.params for s in stages] == [0, 1408, 1290]
-  with pytest.raises(UserError, match="gives 2 stages"):
-    partition.choose("explicit", layers, 3, "1", None, (10,), 4)
+  with pytest.raises(UserError, match="gives 2 chunks but zbv needs 3"):
+    partition.choose("explicit", layers, 3, "1", None, seconds, "zbv")
+  with pytest.raises(UserError, match="needs 4 chunks of layers but the "
+                                      "model has only 3"):
+    partition.choose("params", layers, 4, "", None, seconds + [0.0])
+
+
+# -- the v2 schedules, as data --
+
+def _bubble(name, k, m, v=0):
+  schedule = sl.make(name, k, m, v)
+  vs = schedule.virtual_stages  # A chunk is 1/V of a stage.
+  costs = simulator.ChunkCosts.unit(schedule.num_chunks, 1.0 / vs, 2.0 / vs)
+  return simulator.simulate(schedule, costs)
+
+
+@pytest.mark.parametrize("k,m", [(2, 4), (2, 8), (4, 4), (4, 8), (3, 6)])
+def test_interleaving_divides_the_bubble_by_v(k, m):
+  for v in (2, 3):
+    assert _bubble("interleaved_1f1b", k, m, v).bubble == pytest.approx(
+        (k - 1) / (v * m + k - 1))
+
+
+@pytest.mark.parametrize("k,m", [(2, 2), (2, 4), (3, 5), (4, 8), (4, 16)])
+def test_zb_h1_bubble_is_a_third_at_1f1b_peak_memory(k, m):
+  prediction = _bubble("zb_h1", k, m)
+  # With F = I = W: (K-1)/(3M+K-1), against 1F1B's (K-1)/(M+K-1).
+  assert prediction.bubble == pytest.approx((k - 1) / (3 * m + k - 1))
+  assert max(prediction.peak_live) == max(_bubble("1f1b", k, m).peak_live)
+
+
+@pytest.mark.parametrize("k,m", [(2, 4), (3, 6), (4, 4), (4, 16)])
+def test_zbv_leaves_only_the_first_forwards_idle(k, m):
+  prediction = _bubble("zbv", k, m)
+  schedule = sl.make("zbv", k, m)
+  assert schedule.placement == tuple(range(k)) + tuple(reversed(range(k)))
+  # Device K-1 waits K-1 chunk forwards (1/6 of a stage's F+I+W each).
+  assert prediction.bubble == pytest.approx((k - 1) / (6 * m + k - 1))
+  # 2K half-stage activations: 1F1B's peak in bytes.
+  assert max(prediction.peak_live) <= 2 * k
+
+
+def test_zero_bubble_schedules_split_the_backward():
+  zb = sl.make("zb_h1", 2, 4)
+  assert [" ".join(map(str, row)) for row in zb] == [
+      "F0 F1 I0 W0 F2 I1 W1 F3 I2 W2 I3 W3",
+      "F0 I0 F1 I1 W0 F2 I2 W1 F3 I3 W2 W3",
+  ]
+  assert sl.make("zbv", 2, 4).kinds() == {"F", "I", "W"}
+  interleaved = sl.make("interleaved_1f1b", 2, 4)
+  assert interleaved.placement == (0, 1, 0, 1)
+  assert sl.format_schedule(interleaved).splitlines()[0] == (
+      "device 0 (chunks 0,2): F0.0 F1.0 F0.1 F1.1 F2.0 B0.1 F3.0 B1.1 F2.1 "
+      "B0.0 F3.1 B1.0 B2.1 B3.1 B2.0 B3.0")
+
+
+def test_the_simulator_follows_measured_costs_and_counts_memory():
+  schedule = sl.make("1f1b", 2, 4)
+  costs = simulator.ChunkCosts(
+      forward=(1.0, 3.0), input_grad=(1.0, 1.0), weight_grad=(1.0, 1.0),
+      backward=(2.0, 6.0), activation_bytes=(100.0, 10.0),
+      weight_grad_bytes=(50.0, 5.0), input_bytes=(4.0, 4.0))
+  prediction = simulator.simulate(schedule, costs)
+  # The slow second stage paces the pipeline: stage 0's first F, then
+  # 4 x (3 + 6), then stage 0's last B.
+  assert prediction.step_time == pytest.approx(1 + 4 * 9 + 2)
+  assert prediction.peak_live == [2, 1]
+  assert prediction.peak_bytes == [200.0, 10.0]
+  recompute = simulator.simulate(schedule, simulator.ChunkCosts(
+      **{**costs.__dict__, "recomputes": (True, True)}))
+  # Each F keeps its input; a backward holds the recomputed activations.
+  assert recompute.peak_bytes == [2 * 4.0 + 100.0, 4.0 + 10.0]
+  moved = simulator.simulate(schedule, simulator.ChunkCosts(
+      **{**costs.__dict__, "transfer": 0.5}))
+  assert moved.step_time > prediction.step_time
+
+
+def test_timeline_draws_input_and_weight_gradients_and_chunks():
+  schedule = sl.make("zbv", 2, 4)
+  bars = timeline.bars_from_simulation(schedule)
+  image = timeline.render_many([(bars, "ZBV"), (bars[:4], "PART")], schedule,
+                               width=300)
+  colours = {tuple(c) for c in image.reshape(-1, 3)}
+  for kind in ("F", "I", "W"):
+    assert timeline.COLORS[kind] in colours  # First chunks.
+  assert tuple(int(c * 0.6) for c in timeline.COLORS["W"]) in colours

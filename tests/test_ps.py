@@ -7,7 +7,6 @@ mid-run, and a rerun on a new cluster resumes it until its PS is killed.
 """
 
 import dataclasses
-import glob
 import json
 import os
 import signal
@@ -20,6 +19,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from conftest import read_events
 from dist_loop import checkpoints, configure, data, optim, staleness
 from dist_loop.cluster import Cluster, ClusterError
 from dist_loop.errors import UserError
@@ -27,6 +27,7 @@ from dist_loop.evaluation import Evaluator
 from dist_loop.modes.ps import counter, server, stats, trainer, update
 from dist_loop.modes.ps import PSTrainer
 from dist_loop.precision import DynamicLossScale
+from dist_loop.summaries import LOGDIR
 from tools import launch
 
 PS_CLUSTER = Cluster({"chief": ["c:1"], "worker": ["a:1", "b:1"],
@@ -289,12 +290,6 @@ def _wait_for(path, text, processes, timeout=90):
     time.sleep(0.2)
 
 
-def _tensorboard_tags(workdir):
-  tags = set()
-  for path in glob.glob(str(workdir / "tb" / "events.out.tfevents.*")):
-    for event in tf.compat.v1.train.summary_iterator(path):
-      tags.update(value.tag for value in event.summary.value)
-  return tags
 
 
 def _launcher(workdir, command, num_workers, num_ps):
@@ -357,11 +352,12 @@ def test_ps_trains_digits_within_the_bound_despite_a_killed_worker(
   assert halvings == int(halvings) and 0 <= halvings <= 15
   assert s["ps_skipped_pushes"] >= halvings
   # What the mode reports at each log line reaches TensorBoard.
-  tags = _tensorboard_tags(workdir)
-  assert {"ps/applied", "ps/dropped", "ps/skipped_pushes", "ps/staleness",
-          "ps/staleness_mean", "ps/staleness_max", "ps/drops_per_update",
+  tags = set(read_events(str(workdir / LOGDIR)))
+  assert {"train/ps/applied", "train/ps/dropped", "train/ps/skipped_pushes",
+          "train/ps/staleness", "train/ps/staleness_mean",
+          "train/ps/staleness_max", "train/ps/drops_per_update",
           "train/grad_norm", "train/loss_scale"} <= tags
-  assert "ps/updates_per_sec" not in tags
+  assert "train/ps/updates_per_sec" not in tags
   # The checkpoint has the names of every other mode: a plain model reads it.
   config = configure.make_config(workdir=str(workdir), dataset="digits",
                                  model="mlp")

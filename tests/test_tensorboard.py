@@ -1,6 +1,8 @@
 """What a run shows in TensorBoard: read from its event files, and served
-by the real TensorBoard server (one test)."""
+by the real TensorBoard server (one test; tests/test_browser.py loads the
+pages in Chromium)."""
 
+import contextlib
 import glob
 import gzip
 import json
@@ -9,13 +11,16 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 
 import pytest
+from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.plugins.hparams import plugin_data_pb2
 
 from conftest import read_events
 from dist_loop import make_config, train
+from dist_loop.summaries import LOGDIR
 
 SERVER_START_TIMEOUT_S = 90
 
@@ -26,7 +31,7 @@ def _free_port():
     return s.getsockname()[1]
 
 
-def _get(url):
+def get_json(url):
   with urllib.request.urlopen(url, timeout=10) as r:
     raw = r.read()
     if r.headers.get("Content-Encoding") == "gzip":
@@ -34,83 +39,130 @@ def _get(url):
     return json.loads(raw)
 
 
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory):
-  workdir = str(tmp_path_factory.mktemp("tb") / "run")
-  train.run(make_config(workdir=workdir, dataset="synthetic", model="mlp",
-                        num_devices=2, global_batch_size=32, train_steps=10,
-                        steps_per_loop=5, log_every=5, eval_every=5,
-                        checkpoint_every=10, histogram_every=5,
-                        profile_steps="6,8"))
-  return workdir
-
-
-@pytest.fixture(scope="module")
-def events(finished_run):
-  return read_events(os.path.join(finished_run, "tb"))
-
-
-def test_scalars_land_on_the_logged_steps(events):
-  assert list(events["train/loss"]) == [5, 10]
-  assert list(events["eval/accuracy"]) == [5, 10]
-  assert all(0.0 <= v <= 1.0 for v in events["eval/accuracy"].values())
-  assert events["train/learning_rate"] == pytest.approx({5: 1e-3, 10: 1e-3})
-  for tag in ("eval/loss", "train/accuracy", "train/grad_norm",
-              "train/examples_per_sec", "train/updates_per_sec",
-              "nonfinite/skipped_steps", "memory/peak_rss_mb"):
-    assert list(events[tag]) == [5, 10], tag
-
-
-def test_hparams_list_the_run(events):
-  info = plugin_data_pb2.HParamsPluginData.FromString(
-      events["_hparams_/session_start_info"][0].metadata.plugin_data.content
-  ).session_start_info.hparams
-  assert info["model"].string_value == "mlp"
-  assert info["num_devices"].number_value == 2
-  assert "workdir" not in info
-
-
-def test_histograms_and_graph(events):
-  weights = [t for t in events if t.startswith("weights/")]
-  gradients = [t for t in events if t.startswith("gradients/")]
-  assert len(weights) == len(gradients) == 4  # Two dense layers.
-  assert all(list(events[t]) == [5, 10] for t in weights + gradients)
-  assert list(events["train_step"]) == [5]  # The first loop's graph.
-
-
-def test_the_profile_covers_the_profiled_steps(finished_run):
-  runs = glob.glob(os.path.join(finished_run, "tb", "plugins", "profile",
-                                "*", "*.xplane.pb"))
-  assert len(runs) == 1
-
-
-def test_the_server_serves_the_run(finished_run):
-  """The real server, once: it reads the run's scalars and lists it."""
+@contextlib.contextmanager
+def serve(logdir, ready_run, ready_tag, ready_step):
+  """A TensorBoard server on `logdir`, once it serves `ready_step` of the
+  scalar `ready_tag` of `ready_run` (it lists runs before reading their
+  files). Yields its base URL."""
   port = _free_port()
   proc = subprocess.Popen(
-      [sys.executable, "-m", "tensorboard.main", "--logdir", finished_run,
+      [sys.executable, "-m", "tensorboard.main", "--logdir", logdir,
        "--host", "127.0.0.1", "--port", str(port), "--reload_interval", "1"],
       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
   base = f"http://127.0.0.1:{port}"
-  url = base + "/data/plugin/scalars/scalars?run=tb&tag=eval/accuracy"
+  url = (f"{base}/data/plugin/scalars/scalars?"
+         f"run={urllib.parse.quote(ready_run)}&tag={ready_tag}")
   deadline = time.time() + SERVER_START_TIMEOUT_S
   try:
-    while True:  # It lists a run before it has read its files: wait for
-      try:       # the last eval/accuracy.
-        served = _get(url)
-        if served and served[-1][1] == 10:
+    while True:
+      try:
+        served = get_json(url)
+        if served and served[-1][1] == ready_step:
           break
       except OSError:
         pass
       if proc.poll() is not None or time.time() > deadline:
         proc.terminate()  # Else reading its stderr would wait for its end.
         _, err = proc.communicate(timeout=30)
-        raise AssertionError("tensorboard did not serve the run's last "
-                             "eval/accuracy in time: " + err.decode()[-2000:])
+        raise AssertionError(
+            f"tensorboard did not serve step {ready_step} of {ready_run} "
+            f"{ready_tag} in time: " + err.decode()[-2000:])
       time.sleep(0.5)
-    assert [step for _, step, _ in served] == [5, 10]
-    assert _get(base + "/data/runs") == ["tb"]
-    assert _get(base + "/data/plugins_listing")["profile"]["enabled"]
+    yield base
   finally:
-    proc.terminate()
+    proc.kill()  # It only reads: nothing to lose, and SIGTERM takes seconds.
     proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+  """A sync run on 2 devices in RUNS/demo; returns (workdir, summary)."""
+  workdir = str(tmp_path_factory.mktemp("runs") / "demo")
+  summary = train.run(make_config(
+      workdir=workdir, dataset="synthetic", model="mlp", num_devices=2,
+      global_batch_size=32, train_steps=10, steps_per_loop=5, log_every=5,
+      eval_every=5, checkpoint_every=10, histogram_every=5,
+      profile_steps="6,8"))
+  return workdir, summary
+
+
+@pytest.fixture(scope="module")
+def events(finished_run):
+  return read_events(os.path.join(finished_run[0], LOGDIR))
+
+
+def test_train_and_eval_are_two_runs_with_the_same_tags(events):
+  for name in ("loss", "accuracy"):
+    assert list(events[f"train/{name}"]) == [5, 10], name
+    assert list(events[f"eval/{name}"]) == [5, 10], name
+  assert all(0.0 <= v <= 1.0 for v in events["eval/accuracy"].values())
+  assert events["train/learning_rate"] == pytest.approx({5: 1e-3, 10: 1e-3})
+  for name in ("train/grad_norm", "train/examples_per_sec",
+               "train/updates_per_sec", "train/nonfinite/skipped_steps",
+               "train/memory/peak_rss_mb", "train/comm/bytes_per_step"):
+    assert list(events[name]) == [5, 10], name
+  # No tag repeats its run's name, and only the eval metrics are in eval.
+  assert not [n for n in events if n.startswith(("train/train/", "eval/eval/",
+                                                 "train/eval/"))]
+  assert sorted(n for n in events if n.startswith("eval/")) == [
+      "eval/accuracy", "eval/loss"]
+
+
+def test_hparams_list_the_run_and_its_outcome(events, finished_run):
+  _, summary = finished_run
+  start = plugin_data_pb2.HParamsPluginData.FromString(
+      events["_hparams_/session_start_info"][0].metadata.plugin_data.content
+  ).session_start_info
+  assert start.group_name == "demo"  # The workdir's name.
+  assert start.hparams["model"].string_value == "mlp"
+  assert start.hparams["num_devices"].number_value == 2
+  assert "workdir" not in start.hparams
+  # What the declared metrics read: the eval run's last values and
+  # summary.json's throughput and wall time.
+  assert events["eval/loss"][10] == pytest.approx(summary["eval_loss"])
+  assert "final/examples_per_sec" in events, (
+      "summary.json's examples_per_sec is not in TensorBoard: "
+      "Controller._write_summary must call summaries.final(summary)")
+  assert events["final/examples_per_sec"] == {
+      10: pytest.approx(summary["examples_per_sec"], rel=1e-6)}
+  assert events["final/wall_time_s"] == {
+      10: pytest.approx(summary["wall_time_s"], rel=1e-6)}
+
+
+def test_one_custom_scalars_layout_for_the_run(events):
+  (value,) = events["custom_scalars__config__"].values()
+  layout = layout_pb2.Layout.FromString(value.tensor.string_val[0])
+  # Sync: no staleness, no bubble.
+  assert [c.title for c in layout.category] == ["train and eval",
+                                                "throughput"]
+  assert [c.title for c in layout.category[0].chart] == [
+      "loss (train and eval)", "accuracy (train and eval)"]
+
+
+def test_histograms_and_graph_in_the_train_run(events):
+  weights = [t for t in events if t.startswith("train/weights/")]
+  gradients = [t for t in events if t.startswith("train/gradients/")]
+  assert len(weights) == len(gradients) == 4  # Two dense layers.
+  assert all(list(events[t]) == [5, 10] for t in weights + gradients)
+  assert list(events["train/train_step"]) == [5]  # The first loop's graph.
+
+
+def test_the_profile_is_in_the_train_run(finished_run):
+  runs = glob.glob(os.path.join(finished_run[0], LOGDIR, "train", "plugins",
+                                "profile", "*", "*.xplane.pb"))
+  assert len(runs) == 1
+
+
+def test_the_server_names_the_runs_after_the_workdir(finished_run):
+  """The real server, once, on the directory that holds the workdir."""
+  workdir, _ = finished_run
+  with serve(os.path.dirname(workdir), "demo/tb/eval", "accuracy", 10) as base:
+    served = get_json(base + "/data/plugin/scalars/scalars?"
+                      "run=demo/tb/train&tag=loss")
+    assert [step for _, step, _ in served] == [5, 10]
+    assert get_json(base + "/data/runs") == [
+        "demo/tb", "demo/tb/eval", "demo/tb/train"]
+    layout = get_json(base + "/data/plugin/custom_scalars/layout")
+    assert [c["title"] for c in layout["category"]] == [
+        "train and eval", "throughput"]
+    assert get_json(base + "/data/plugins_listing")["profile"]["enabled"]

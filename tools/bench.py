@@ -5,8 +5,10 @@ r"""All benchmarks, side by side in one process run.
 `--suite` takes a comma-separated list of: overhead (our sync loop against
 Keras fit and a bare loop), mfu (training FLOP/s against the matmul peak),
 data_parallel (1/2/4 devices, packing, compression), async (stragglers),
-pipeline (micro-batches and schedules), or `all`. Prints a markdown table per
-suite and writes everything, with the machine it ran on, to `--out` as JSON.
+pipeline (micro-batches and schedules), comm (bytes on the wire against
+accuracy: compression, local SGD, DiLoCo), or `all`. Prints a markdown table
+per suite and writes everything, with the machine it ran on, to `--out` as
+JSON.
 `--quick` uses tiny sizes: a smoke run of the harness, not numbers to quote.
 Benchmarks are not tests: the test suite asserts no timing.
 """
@@ -30,6 +32,7 @@ SUITES = {  # name -> module with run(quick) -> {"rows": [...], "table": str}
     "data_parallel": "tools.benchmarks.data_parallel",
     "async": "tools.benchmarks.async_bench",
     "pipeline": "tools.benchmarks.pipeline_bench",
+    "comm": "tools.benchmarks.comm_bench",
 }
 # The in-process suites share one TensorFlow runtime: start it with enough
 # logical devices for all of them (the pipeline suite runs in subprocesses).

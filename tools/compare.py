@@ -1,13 +1,16 @@
 r"""Compare finished runs: one table, one plot.
 
     python -m tools.compare runs/sync runs/async runs/pipeline \
-        [--plot=compare.png] [--json=compare.json]
+        [--plot=compare.png] [--json=compare.json] [--logdir=runs/compare]
 
 For each WORKDIR it reads `summary.json` (final metrics, throughput, and the
 mode's own statistics such as staleness or bubble) and the TensorBoard event
-files in WORKDIR/tb (the curves). It prints a markdown table of the final
-numbers and writes a PNG with loss and accuracy against step and against
-wall time (seconds since the run's first logged point).
+files of its `tb/train` and `tb/eval` runs (the curves). It prints a
+markdown table of the final numbers and writes a PNG with loss and accuracy
+against step and against wall time (seconds since the run's first logged
+point). With --logdir the same plot is also a TensorBoard image (tag
+`compare/curves`, an RGB image at step 0, its description naming the runs),
+so `tensorboard --logdir runs/` shows it in the Images tab beside the runs.
 """
 
 import json
@@ -15,14 +18,16 @@ import os
 import sys
 from typing import Dict, List
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from absl import app, flags
 
-from absl import app, flags  # pylint: disable=g-import-not-at-top
+from dist_loop import console
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("plot", "compare.png", "Where the PNG plot goes ('' for "
                     "none).")
 flags.DEFINE_string("json", "", "Optional: also write the table as JSON.")
+flags.DEFINE_string("logdir", "", "Optional: also write the plot as a "
+                    "TensorBoard image to this directory (a run of its own).")
 
 CURVES = ("train/loss", "eval/loss", "train/accuracy", "eval/accuracy")
 # Columns that every run has, then whatever mode-specific statistics exist.
@@ -44,18 +49,32 @@ def load_run(workdir: str) -> Dict:
   with open(path) as f:
     summary = json.load(f)
   return {"name": os.path.basename(os.path.normpath(workdir)),
-          "summary": summary, "curves": read_curves(os.path.join(workdir, "tb"))}
+          "summary": summary,
+          "curves": read_curves(os.path.join(workdir, "tb"))}
 
 
 def read_curves(logdir: str) -> Dict[str, List]:
-  """{tag: [(wall_time, step, value), ...]} for the scalar tags in CURVES."""
+  """{name: [(wall_time, step, value), ...]} for the names in CURVES.
+
+  `train/loss` is tag `loss` of the run LOGDIR/train (`eval/...` of
+  LOGDIR/eval); workdirs written before those runs existed keep the names
+  as tags of LOGDIR itself.
+  """
   from tensorboard.backend.event_processing import event_accumulator as ea  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  acc = ea.EventAccumulator(logdir, size_guidance={ea.TENSORS: 0})
-  acc.Reload()
-  tags = set(acc.Tags().get("tensors", []))
-  return {tag: [(e.wall_time, e.step, float(tf.make_ndarray(e.tensor_proto)))
-                for e in acc.Tensors(tag)] for tag in CURVES if tag in tags}
+  out = {}
+  for run, prefix in (("train", "train/"), ("eval", "eval/"), ("", "")):
+    path = os.path.join(logdir, run)
+    if not os.path.isdir(path):
+      continue
+    acc = ea.EventAccumulator(path, size_guidance={ea.TENSORS: 0})
+    acc.Reload()
+    for tag in acc.Tags().get("tensors", []):
+      if prefix + tag in CURVES and prefix + tag not in out:
+        out[prefix + tag] = [
+            (e.wall_time, e.step, float(tf.make_ndarray(e.tensor_proto)))
+            for e in acc.Tensors(tag)]
+  return out
 
 
 def table(runs: List[Dict]) -> str:
@@ -77,12 +96,13 @@ def table(runs: List[Dict]) -> str:
   return "\n".join(lines)
 
 
-def plot(runs: List[Dict], path: str) -> None:
-  """Loss and accuracy against step (top) and wall time (bottom)."""
+def figure(runs: List[Dict]):
+  """Loss and accuracy against step (top) and wall time (bottom): train
+  solid, eval dashed, one colour per run."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+  fig, axes = plt.subplots(2, 2, figsize=(11, 8), dpi=100)
   for col, metric in enumerate(("loss", "accuracy")):
     for row, x_axis in enumerate(("step", "wall time (s)")):
       ax = axes[row][col]
@@ -100,14 +120,47 @@ def plot(runs: List[Dict], path: str) -> None:
       ax.grid(alpha=0.3)
   axes[0][0].legend(fontsize=8)
   fig.tight_layout()
-  fig.savefig(path, dpi=100)
+  return fig
+
+
+def plot(runs: List[Dict], path: str) -> None:
+  """The figure as a PNG file."""
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig = figure(runs)
+  fig.savefig(path)
   plt.close(fig)
+
+
+def image(runs: List[Dict]):
+  """The figure as an HWC uint8 RGB array, as TensorBoard images are."""
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  fig = figure(runs)
+  fig.canvas.draw()
+  rgb = np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()
+  plt.close(fig)
+  return rgb
+
+
+def write_image(runs: List[Dict], logdir: str) -> None:
+  """The figure as TensorBoard image `compare/curves` in `logdir`."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  writer = tf.summary.create_file_writer(logdir)
+  with writer.as_default(step=0):
+    tf.summary.image(
+        "compare/curves", image(runs)[None], max_outputs=1,
+        description="Loss and accuracy against step (top) and wall time "
+        "(bottom); train solid, eval dashed. Runs: "
+        + ", ".join(r["name"] for r in runs))
+  writer.close()
 
 
 def main(argv):
   workdirs = argv[1:]
   if not workdirs:
     raise app.UsageError("give one or more run workdirs")
+  console.start(FLAGS.verbosity)  # TensorFlow is imported later, lazily.
+  console.setup(FLAGS.verbosity)
   try:
     runs = [load_run(w) for w in workdirs]
   except RunError as e:
@@ -117,6 +170,9 @@ def main(argv):
   if FLAGS.plot:
     plot(runs, FLAGS.plot)
     print(f"plot: {FLAGS.plot}")
+  if FLAGS.logdir:
+    write_image(runs, FLAGS.logdir)
+    print(f"tensorboard image compare/curves: {FLAGS.logdir}")
   if FLAGS.json:
     with open(FLAGS.json, "w") as f:
       json.dump([{"run": r["name"], **r["summary"]} for r in runs], f,

@@ -24,14 +24,20 @@ training process exited 0 (then it stops the servers). If a task fails, it
 stops the others, prints the tail of the failed task's log and exits with
 that task's code; a failed worker of a parameter-server cluster is the one
 exception: the coordinator moves its work to the other workers, so it is
-reported and training goes on. On real hosts, run the train command itself
-with a hand-written TF_CONFIG per host (README, "Multiple processes and
-hosts"). This file does not import TensorFlow.
+reported and training goes on.
+
+`--max_restarts=N` (as torchrun's): after a failure, stop every task, wait
+for the cluster's ports to free, and start the whole cluster again with the
+same command (and the same TF_CONFIG, unless a port was taken meanwhile);
+every task resumes from the last checkpoint. One line per restart says why,
+and which of N it is; the (N+1)-th failure ends the launcher with that
+task's exit code. A lost parameter server, or a worker's SIGTERM exit, is a
+failure like any other. On real hosts, run the train command itself with a
+hand-written TF_CONFIG per host (README, "Multiple processes and hosts").
+This file does not import TensorFlow.
 """
 
 import argparse
-import collections
-import ctypes
 import json
 import os
 import signal
@@ -39,15 +45,18 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 # free_ports is re-exported: tests reserve ports the way the launcher does.
-from tools.local_cluster import cluster_spec, free_ports  # noqa: F401
+from tools.local_cluster import (Task, cluster_spec, free_ports,  # noqa: F401
+                                 wait_for_ports)
 
-TAIL_LINES = 25
 STOP_GRACE_S = 10.0  # SIGTERM, then SIGKILL after this.
+# Before a restart: a task stuck in a collective with a dead peer cannot
+# act on SIGTERM until the collective times out, and nothing is left to save.
+RESTART_GRACE_S = 3.0
+PORT_WAIT_S = 15.0
 POLL_S = 0.2
-_PR_SET_PDEATHSIG = 1
 
 
 def workdir_of(command: Sequence[str]) -> Optional[str]:
@@ -60,67 +69,9 @@ def workdir_of(command: Sequence[str]) -> Optional[str]:
   return None
 
 
-def _die_with_parent():
-  """Runs in the child: the kernel kills it if the launcher dies (Linux)."""
-  try:
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-  except (OSError, AttributeError):
-    pass
-
-
-class Task:
-  """One process of the cluster, its log file and its console prefix."""
-
-  def __init__(self, job: str, index: int, trains: bool):
-    self.job, self.index, self.trains = job, index, trains
-    self.name = f"{job}:{index}"
-    self.process: Optional[subprocess.Popen] = None
-    self.log_path = ""
-    self.stopped = False  # We stopped it: its exit code is not a failure.
-    self.reported = False
-    self._tail = collections.deque(maxlen=TAIL_LINES)
-    self._reader: Optional[threading.Thread] = None
-
-  def start(self, command, env, log_path, console_lock, quiet):
-    self.log_path = log_path
-    self.process = subprocess.Popen(
-        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL, text=True, bufsize=1,
-        start_new_session=True,  # Signals reach it only through us.
-        preexec_fn=_die_with_parent)
-    self._reader = threading.Thread(
-        target=self._pump, args=(console_lock, quiet), daemon=True,
-        name=f"log-{self.name}")
-    self._reader.start()
-
-  def _pump(self, console_lock, quiet):
-    with open(self.log_path, "a", encoding="utf-8") as log:
-      for line in self.process.stdout:
-        log.write(line)
-        log.flush()
-        self._tail.append(line.rstrip("\n"))
-        if not quiet:
-          with console_lock:
-            print(f"[{self.name}] {line}", end="", flush=True)
-
-  def poll(self) -> Optional[int]:
-    return self.process.poll()
-
-  def signal(self, sig) -> None:
-    if self.process.poll() is None:
-      try:
-        os.killpg(self.process.pid, sig)
-      except ProcessLookupError:
-        pass
-
-  def tail(self) -> List[str]:
-    if self._reader is not None:
-      self._reader.join(timeout=2.0)  # The pipe closes when the task exits.
-    return list(self._tail)
-
-
 class Launcher:
-  """Starts the tasks, watches them, and stops them all on failure.
+  """Starts the tasks, watches them, and stops (or restarts) them all on
+  failure.
 
   Args:
     command: the command every task runs.
@@ -129,38 +80,48 @@ class Launcher:
     log_dir: where WORKER-i.log etc. go.
     timeout_s: stop everything and fail after this long (0: no limit).
     quiet: do not echo task output to the console (it is still logged).
+    max_restarts: restarts of the whole cluster after a failure.
   """
 
   def __init__(self, command: Sequence[str], num_workers: int, num_ps: int = 0,
-               log_dir: str = "logs", timeout_s: float = 0, quiet=False):
-    if num_workers < 1 or num_ps < 0:
-      raise ValueError("need --num_workers >= 1 and --num_ps >= 0")
+               log_dir: str = "logs", timeout_s: float = 0, quiet=False,
+               max_restarts: int = 0):
+    if num_workers < 1 or num_ps < 0 or max_restarts < 0:
+      raise ValueError("need --num_workers >= 1, --num_ps >= 0 and "
+                       "--max_restarts >= 0")
     self.command = list(command)
+    self.num_workers, self.num_ps = num_workers, num_ps
     self.spec = cluster_spec(num_workers, num_ps)
     self.log_dir = log_dir
     self.timeout_s = timeout_s
     self.quiet = quiet
-    ps_cluster = num_ps > 0
-    self.tasks: Dict[str, Task] = {}
-    for job, addresses in self.spec.items():
-      for i in range(len(addresses)):
-        trains = job == "chief" or (job == "worker" and not ps_cluster)
-        task = Task(job, i, trains)
-        self.tasks[task.name] = task
+    self.max_restarts = max_restarts
+    self.restarts = 0
+    self.tasks = self._make_tasks()
     # In a PS cluster the coordinator re-runs a lost worker's steps elsewhere.
-    self.tolerated_jobs = {"worker"} if ps_cluster else set()
+    self.tolerated_jobs = {"worker"} if num_ps else set()
     self._lock = threading.Lock()
     self._interrupted = False
 
+  def _make_tasks(self) -> Dict[str, Task]:
+    tasks = {}
+    for job, addresses in self.spec.items():
+      for i in range(len(addresses)):
+        trains = job == "chief" or (job == "worker" and not self.num_ps)
+        tasks[f"{job}:{i}"] = Task(job, i, trains)
+    return tasks
+
   def start(self) -> None:
     os.makedirs(self.log_dir, exist_ok=True)
+    header = (f"[launch] restart {self.restarts} of {self.max_restarts}"
+              if self.restarts else "")
     for task in self.tasks.values():
       tf_config = json.dumps({"cluster": self.spec,
                               "task": {"type": task.job, "index": task.index}})
       env = {**os.environ, "TF_CONFIG": tf_config, "PYTHONUNBUFFERED": "1"}
       log_path = os.path.join(self.log_dir,
                               f"{task.job}-{task.index}.log")
-      task.start(self.command, env, log_path, self._lock, self.quiet)
+      task.start(self.command, env, log_path, self._lock, self.quiet, header)
       self._say(f"started {task.name} (pid {task.process.pid}), log "
                 f"{log_path}")
 
@@ -177,7 +138,8 @@ class Launcher:
         task.signal(signal.SIGINT)
 
   def wait(self) -> int:
-    """Watches the tasks until training ends or fails; returns an exit code."""
+    """Watches the tasks until training ends or fails for good; returns an
+    exit code."""
     deadline = time.monotonic() + self.timeout_s if self.timeout_s else None
     interrupted_at = None
     while True:
@@ -189,7 +151,13 @@ class Launcher:
           return 130
       failed = self._check_failures()
       if failed is not None:
-        return failed
+        task, code = failed
+        if self.restarts < self.max_restarts and not self._interrupted:
+          self._restart(task, code)
+          continue
+        self._report(task, code)
+        self.stop()
+        return code if code > 0 else 128 - code  # -N: killed by signal N.
       trainers = [t for t in self.tasks.values() if t.trains]
       if all(t.poll() == 0 for t in trainers):
         self.stop()
@@ -201,7 +169,9 @@ class Launcher:
         return 124
       time.sleep(POLL_S)
 
-  def _check_failures(self) -> Optional[int]:
+  def _check_failures(self):
+    """The first task that failed since the last look, as (task, exit
+    code), or None. A tolerated failure is reported here."""
     for task in self.tasks.values():
       code = task.poll()
       if code in (None, 0) or task.stopped or task.reported:
@@ -209,29 +179,41 @@ class Launcher:
       task.reported = True
       if self._interrupted:
         continue
-      self._report(task, code)
       if task.job in self.tolerated_jobs:
+        self._report(task, code)
         self._say(f"{task.name} failed; the coordinator moves its work to "
                   "the other workers, training goes on")
         continue
-      self.stop()
-      return code if code > 0 else 128 - code  # -N: killed by signal N.
+      return task, code
     return None
 
-  def _report(self, task: Task, code: int) -> None:
-    how = (f"exit code {code}" if code >= 0
-           else f"killed by signal {-code}")
-    lines = "\n".join(f"  | {line}" for line in task.tail())
-    self._say(f"{task.name} failed ({how}); last lines of {task.log_path}:\n"
-              f"{lines}")
+  def _restart(self, task: Task, code: int) -> None:
+    """Stops every task and starts the cluster again, on the same ports
+    once they are free (new ones if they stay taken)."""
+    self.restarts += 1
+    self._say(f"{task.name} failed ({_how(code)}); restart {self.restarts} "
+              f"of {self.max_restarts}: stopping every task and restarting "
+              f"the cluster (log {task.log_path})")
+    self.stop(RESTART_GRACE_S)
+    if not wait_for_ports(self.spec, PORT_WAIT_S):
+      self.spec = cluster_spec(self.num_workers, self.num_ps)
+      self._say(f"the cluster's ports stayed taken for {PORT_WAIT_S:.0f} s; "
+                "restarting on new ports")
+    self.tasks = self._make_tasks()
+    self.start()
 
-  def stop(self) -> None:
-    """SIGTERM to every running task, then SIGKILL after a grace period."""
+  def _report(self, task: Task, code: int) -> None:
+    lines = "\n".join(f"  | {line}" for line in task.tail())
+    self._say(f"{task.name} failed ({_how(code)}); last lines of "
+              f"{task.log_path}:\n{lines}")
+
+  def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM to every running task, then SIGKILL after `grace_s`."""
     for task in self.tasks.values():
       if task.poll() is None:
         task.stopped = True
         task.signal(signal.SIGTERM)
-    deadline = time.monotonic() + STOP_GRACE_S
+    deadline = time.monotonic() + grace_s
     for task in self.tasks.values():
       try:
         task.process.wait(timeout=max(deadline - time.monotonic(), 0.1))
@@ -244,6 +226,10 @@ class Launcher:
   def _say(self, message: str) -> None:
     with self._lock:
       print(f"[launch] {message}", flush=True)
+
+
+def _how(code: int) -> str:
+  return f"exit code {code}" if code >= 0 else f"killed by signal {-code}"
 
 
 def main(argv=None) -> int:
@@ -260,6 +246,9 @@ def main(argv=None) -> int:
                       help="default: WORKDIR/logs, WORKDIR from --workdir")
   parser.add_argument("--timeout_s", type=float, default=0,
                       help="stop everything and exit 124 after this long")
+  parser.add_argument("--max_restarts", type=int, default=0,
+                      help="after a failure, restart the whole cluster up "
+                      "to N times (0: stop at the first failure)")
   args = parser.parse_args(argv[:split])
   command = argv[split + 1:]
   if not command:
@@ -272,7 +261,7 @@ def main(argv=None) -> int:
     log_dir = os.path.join(workdir, "logs")
   try:
     launcher = Launcher(command, args.num_workers, args.num_ps, log_dir,
-                        args.timeout_s)
+                        args.timeout_s, max_restarts=args.max_restarts)
   except ValueError as e:
     parser.error(str(e))
   signal.signal(signal.SIGINT, lambda *_: launcher.interrupt())

@@ -1,9 +1,21 @@
-"""The addresses of a local cluster: free localhost ports, and the
-TF_CONFIG cluster spec that `tools/launch.py` hands to every task."""
+"""The parts of a local cluster that `tools/launch.py` starts: its
+addresses (free localhost ports, the TF_CONFIG cluster spec, waiting for the
+ports of a stopped cluster to free) and its processes (`Task`). This file
+does not import TensorFlow."""
 
+import collections
+import ctypes
+import os
 import random
+import signal
 import socket
+import subprocess
+import threading
+import time
 from typing import Dict, List, Optional, Sequence
+
+TAIL_LINES = 25
+_PR_SET_PDEATHSIG = 1
 
 _EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
 _LOWEST_PORT = 20000  # Below it, well-known services are more common.
@@ -72,3 +84,94 @@ def cluster_spec(num_workers: int, num_ps: int,
   for job, n in jobs:
     spec[job] = [f"localhost:{ports.pop(0)}" for _ in range(n)]
   return spec
+
+
+def ports_free(spec: Dict[str, List[str]]) -> bool:
+  """Whether every port of `spec` can be bound again now. With
+  SO_REUSEADDR, as gRPC binds: connections of a stopped server that linger
+  in TIME_WAIT do not hold its port."""
+  for address in (a for addresses in spec.values() for a in addresses):
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+      s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+      try:
+        s.bind(("", int(address.rsplit(":", 1)[1])))
+      except OSError:
+        return False
+  return True
+
+
+def wait_for_ports(spec: Dict[str, List[str]], timeout_s: float) -> bool:
+  """Waits up to `timeout_s` for `ports_free(spec)`; returns whether."""
+  deadline = time.monotonic() + timeout_s
+  while not ports_free(spec):
+    if time.monotonic() > deadline:
+      return False
+    time.sleep(0.1)
+  return True
+
+
+# -- the processes --
+
+
+def _die_with_parent():
+  """Runs in the child: the kernel kills it if the launcher dies (Linux)."""
+  try:
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+  except (OSError, AttributeError):
+    pass
+
+
+class Task:
+  """One process of the cluster, its log file and its console prefix."""
+
+  def __init__(self, job: str, index: int, trains: bool):
+    self.job, self.index, self.trains = job, index, trains
+    self.name = f"{job}:{index}"
+    self.process: Optional[subprocess.Popen] = None
+    self.log_path = ""
+    self.stopped = False  # We stopped it: its exit code is not a failure.
+    self.reported = False
+    self._tail = collections.deque(maxlen=TAIL_LINES)
+    self._reader: Optional[threading.Thread] = None
+
+  def start(self, command, env, log_path, console_lock, quiet, header=""):
+    """Starts the process; its output goes to `log_path` (appended, after
+    `header` if any) and, unless `quiet`, to the console."""
+    self.log_path = log_path
+    if header:
+      with open(log_path, "a", encoding="utf-8") as log:
+        log.write(header + "\n")
+    self.process = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL, text=True, bufsize=1,
+        start_new_session=True,  # Signals reach it only through us.
+        preexec_fn=_die_with_parent)
+    self._reader = threading.Thread(
+        target=self._pump, args=(console_lock, quiet), daemon=True,
+        name=f"log-{self.name}")
+    self._reader.start()
+
+  def _pump(self, console_lock, quiet):
+    with open(self.log_path, "a", encoding="utf-8") as log:
+      for line in self.process.stdout:
+        log.write(line)
+        log.flush()
+        self._tail.append(line.rstrip("\n"))
+        if not quiet:
+          with console_lock:
+            print(f"[{self.name}] {line}", end="", flush=True)
+
+  def poll(self) -> Optional[int]:
+    return self.process.poll()
+
+  def signal(self, sig) -> None:
+    if self.process.poll() is None:
+      try:
+        os.killpg(self.process.pid, sig)
+      except ProcessLookupError:
+        pass
+
+  def tail(self) -> List[str]:
+    if self._reader is not None:
+      self._reader.join(timeout=2.0)  # The pipe closes when the task exits.
+    return list(self._tail)

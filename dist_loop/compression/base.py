@@ -81,8 +81,8 @@ class Compressor(abc.ABC):
     """One replica's part of the all-reduce, in replica context.
 
     Args:
-      grads: the replica's gradients (its share of the step's mean loss,
-        unscaled if it has state), one per variable.
+      grads: the replica's gradients as dense tensors (its share of the
+        step's mean loss, unscaled if it has state), one per variable.
       state: the replica's own state, structured as `initial_state`.
       step: the int64 step being taken (0 for the first).
 

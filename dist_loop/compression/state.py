@@ -2,7 +2,7 @@
 
 Error-feedback residuals differ from replica to replica. They live in
 mirrored variables used as per-replica storage, as local SGD keeps each
-replica's weights (`dist_loop/modes/local_sgd/replicas.py`): in replica
+replica's weights (`dist_loop/replicas.py`): in replica
 context a read sees the replica's own component, and `write` hands each
 component its own replica's value, with no collective. `checkpoint` is the
 entry that saves every replica's value and restores each into its replica
@@ -13,14 +13,10 @@ from typing import Optional
 
 import tensorflow as tf
 
+from dist_loop import replicas
 from dist_loop.compression.base import StateDict
 
 
-def _replicas():
-  # The local_sgd package imports sync mode, which imports this package:
-  # imported when a state is built, after every package has loaded.
-  from dist_loop.modes.local_sgd import replicas  # pylint: disable=g-import-not-at-top
-  return replicas
 
 
 class State:
@@ -39,7 +35,7 @@ class State:
           for name, values in initial.items()}
     flat = tf.nest.flatten(self.variables)
     self.checkpoint: Optional[object] = (
-        _replicas().ReplicaState(strategy, flat) if flat else None)
+        replicas.ReplicaState(strategy, flat) if flat else None)
 
   def __bool__(self) -> bool:
     return self.checkpoint is not None
@@ -54,7 +50,7 @@ class State:
     old = tf.nest.flatten(self.variables)
     new = [tf.where(ok, n, tf.convert_to_tensor(o))
            for n, o in zip(tf.nest.flatten(values), old)]
-    _replicas().write(old, new)
+    replicas.write(old, new)
 
   def apply(self) -> None:
     """Writes a restored checkpoint into the replicas, once."""

@@ -35,6 +35,20 @@ def _index_stream(num_examples: int, seed: int, start: int) -> tf.data.Dataset:
           .flat_map(epoch).skip(offset))
 
 
+def _fixed(ds: tf.data.Dataset) -> tf.data.Dataset:
+  """`ds` without tf.data's autotuning model.
+
+  Its optimisation thread sleeps up to 60 s between rounds, and freeing an
+  iterator waits for it, so closing a run's input could take a minute. The
+  pipeline is a gather per batch; the AUTOTUNE values still fall back to
+  TensorFlow's defaults (parallel calls up to the cores, a prefetch buffer
+  that grows when it runs dry). The examples and their order are the same.
+  """
+  options = tf.data.Options()
+  options.autotune.enabled = False
+  return ds.with_options(options)
+
+
 def train_dataset_fn(x: np.ndarray, y: np.ndarray, global_batch_size: int,
                      seed: int, start_step: int = 0):
   """Returns a `dataset_fn(input_context)` for distribute_datasets_from_function.
@@ -59,12 +73,12 @@ def train_dataset_fn(x: np.ndarray, y: np.ndarray, global_batch_size: int,
             .map(lambda group: group[first:first + local]).unbatch())
     ds = ds.map(lambda idx: (tf.gather(x_t, idx), tf.gather(y_t, idx)),
                 num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-    return ds.prefetch(tf.data.AUTOTUNE)
+    return _fixed(ds.prefetch(tf.data.AUTOTUNE))
 
   return dataset_fn
 
 
 def eval_dataset(x: np.ndarray, y: np.ndarray, batch_size: int) -> tf.data.Dataset:
   """The held-out split, in order, last partial batch kept."""
-  return (tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size)
-          .prefetch(tf.data.AUTOTUNE))
+  return _fixed(tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size)
+                .prefetch(tf.data.AUTOTUNE))

@@ -58,6 +58,9 @@ class Trainer(abc.ABC):
   precisions = ("float32",)
   grad_accumulation = False
   skips_nonfinite = False  # Can drop a non-finite step (--nonfinite=skip).
+  # Honours --max_loss: passes it to its step's guard (`step.run_steps`, the
+  # async `Applier`, the ps `LockedUpdate`).
+  checks_max_loss = False
 
   model: keras.Sequential
   optimizer: keras.optimizers.Optimizer
@@ -89,6 +92,14 @@ class Trainer(abc.ABC):
     if config.nonfinite == "skip" and not cls.skips_nonfinite:
       raise UserError(f"--nonfinite=skip is not supported in --mode="
                       f"{config.mode}; use --nonfinite=rollback or raise")
+    if config.max_loss and config.nonfinite == "skip":
+      raise UserError("--max_loss cannot be combined with --nonfinite=skip: "
+                      "a step's update is applied before its loss is "
+                      "compared with the bound; use --nonfinite=rollback (to "
+                      "the last checkpoint) or raise")
+    if config.max_loss and not cls.checks_max_loss:
+      raise UserError(f"--max_loss is not supported in --mode={config.mode}; "
+                      "drop it (or use --max_loss=0)")
     if config.grad_accum_steps > 1 and not cls.grad_accumulation:
       raise UserError(f"--grad_accum_steps is not supported in "
                       f"--mode={config.mode}; use --grad_accum_steps=1, or a "

@@ -7,6 +7,10 @@ seed and the step number, so they agree on them without exchanging any
 indices, and the picked values go through one ordinary all-reduce together
 with the (exact) vectors. Top-k (`--allreduce_compression=topk`) picks each
 replica's largest entries instead, which must travel with their indices.
+As every replica keeps the same positions, the sum of what they send is
+what one replica would send of the summed gradients, and the sum of their
+residuals evolves as one replica's would: any number of replicas trains
+the same weights.
 What a replica did not send stays in its residual, per replica, and the
 sync trainer checkpoints it like any compressor's state.
 
@@ -72,11 +76,13 @@ class RandomK(Compressor):
     return out, {"residual": residuals}
 
   def _positions(self, j: int, step, size: int, k: int) -> tf.Tensor:
-    """k distinct positions out of `size`, the same on every replica."""
+    """k distinct positions out of `size`, the same on every replica: the
+    first k of a random permutation that depends on (seed, matrix, step),
+    computed for those k only."""
     seed = tf.stack([tf.constant(self.seed * 1000 + j, tf.int64),
                      tf.cast(step, tf.int64)])
-    noise = tf.random.stateless_uniform([size], seed)
-    return tf.argsort(noise)[:k]
+    return tf.random.experimental.index_shuffle(
+        tf.range(k, dtype=tf.int64), seed, max_index=size - 1)
 
   def wire_bytes(self) -> int:
     dense = sum(base.nbytes(self.shapes[i], self.dtypes[i])

@@ -1,15 +1,27 @@
-r"""Compute efficiency: a big MLP's training FLOP/s against the matmul peak.
+r"""Compute efficiency: training FLOP/s against the matmul peak.
 
     python -m tools.benchmarks.mfu [--quick]
 
 The peak is what this machine reaches on a chain of square float32 matmuls
-in a `tf.function`, measured in the same run. The model is 4 x Dense(2048,
-relu) on 2048 features, trained by `SyncTrainer` on one device with SGD; its
-FLOPs per step are counted from the layer shapes: a forward matmul costs
-2*B*in*out, the backward two more of the same size (gradients of the input
-and of the weights), except the first layer, whose input needs no gradient.
-Bias adds, activations and the update are not counted, so they show up as
-lost efficiency, as they should. MFU = model FLOP/s / peak FLOP/s.
+in a `tf.function`, measured in the same run, interleaved with the models.
+Both models are trained by `SyncTrainer` on one device with SGD, and their
+FLOPs per step are counted from the shapes. MFU = model FLOP/s / peak FLOP/s.
+
+* An MLP, 4 x Dense(2048, relu) on 2048 features: a forward matmul costs
+  2*B*in*out, the backward two more of the same size (gradients of the input
+  and of the weights), except the first layer, whose input needs no gradient.
+* The byte Transformer (`--model=transformer`), L blocks of width d, MLP
+  ratio r, on windows of T bytes, vocabulary V, B windows a step. Per token
+  and block, the forward matmuls cost 2*4*d*d (the q, k, v and output
+  projections) + 2*2*r*d*d (the MLP) + 2*2*T*d (the scores q.k over the T
+  keys, and the weighted sum of the values; the causal mask hides half of
+  them, but the layer computes them all); the head costs 2*d*V. Training is
+  3x the forward (the gradients of the inputs and of the weights). The
+  embedding is a lookup, not a matmul, and is not counted:
+      FLOPs/step = 3 * B*T * (L*(8*d*d + 4*r*d*d + 4*T*d) + 2*d*V).
+
+Bias adds, activations, layer norms, softmax and the update are not counted,
+so they show up as lost efficiency, as they should.
 """
 
 import os
@@ -29,6 +41,10 @@ from tools.benchmarks.common import interleaved_medians, markdown_table, trainer
 WIDTH = 2048
 DEPTH = 4
 CLASSES = 10
+# The Transformer at a compute-heavy size: (layers, d, heads, T, batch);
+# with quick, a tiny one.
+TRANSFORMER = {False: (4, 256, 4, 128, 16), True: (1, 32, 2, 16, 4)}
+VOCAB = 256
 # (batch, matmul side, matmuls in the chain, steps per loop, loops, rounds).
 # Quick is a smoke run of the harness: too small to keep the cores busy.
 SIZES = {False: (512, 2048, 20, 5, 4, 5), True: (32, 512, 2, 1, 1, 1)}
@@ -50,6 +66,26 @@ def bench_features(data_dir, seed, image_size=None):
   x = rng.randn(EXAMPLES, WIDTH).astype(np.float32)
   y = rng.randint(0, CLASSES, len(x)).astype(np.int32)
   return Dataset(x, y, x[:256], y[:256], CLASSES)
+
+
+@DATASETS.register("bench_bytes")
+def bench_bytes(data_dir, seed, image_size=None):
+  """Random byte windows of the Transformer's T (set by `_set_seq_len`)."""
+  del data_dir, image_size
+  rng = np.random.RandomState(seed)
+  tokens = rng.randint(0, VOCAB, (256, _SEQ_LEN[0] + 1)).astype(np.int32)
+  x, y = tokens[:, :-1], tokens[:, 1:]
+  return Dataset(x, y, x[:16], y[:16], VOCAB, task="language_model")
+
+
+_SEQ_LEN = [128]
+
+
+def transformer_flops_per_step(batch, seq_len, layers, d, mlp_ratio=4,
+                               vocab=VOCAB):
+  """Matmul FLOPs of one training step of the Transformer (see above)."""
+  per_block = 8 * d * d + 4 * mlp_ratio * d * d + 4 * seq_len * d
+  return 3 * batch * seq_len * (layers * per_block + 2 * d * vocab)
 
 
 def train_flops_per_step(batch, widths):
@@ -76,25 +112,43 @@ def run(quick: bool = False) -> dict:
     return tf.reduce_sum(x)
 
   matmuls()
-  _, sync = trainer(names, dict(
-      dataset="bench_features_2048", model="bench_mlp_4x2048", num_devices=1,
-      global_batch_size=batch, optimizer="sgd", learning_rate=1e-3,
-      steps_per_loop=steps_per_loop))
-  sync.train(steps_per_loop)
+  layers, d, heads, seq_len, lm_batch = TRANSFORMER[quick]
+  _SEQ_LEN[0] = seq_len
+  common = dict(num_devices=1, optimizer="sgd", learning_rate=1e-3,
+                steps_per_loop=steps_per_loop)
+  models = {
+      "mlp": (trainer(names, dict(
+          dataset="bench_features_2048", model="bench_mlp_4x2048",
+          global_batch_size=batch, **common))[1],
+              train_flops_per_step(batch, [WIDTH] * (DEPTH + 1) + [CLASSES]),
+              f"{DEPTH}x{WIDTH} MLP, batch {batch}, SGD"),
+      "transformer": (trainer(names, dict(
+          dataset="bench_bytes", model="transformer", num_layers=layers,
+          d_model=d, num_heads=heads, mlp_ratio=4,
+          global_batch_size=lm_batch, **common))[1],
+                      transformer_flops_per_step(lm_batch, seq_len, layers, d),
+                      f"Transformer L={layers} d={d} T={seq_len}, batch "
+                      f"{lm_batch}, SGD")}
 
-  def train():
-    for _ in range(loops):
-      sync.train(steps_per_loop)
+  def looped(sync):
+    sync.train(steps_per_loop)  # Traces.
 
-  seconds = interleaved_medians(
-      {"matmul": lambda: float(matmuls()), "train": train}, rounds)
-  sync.close()
+    def train():
+      for _ in range(loops):
+        sync.train(steps_per_loop)
+    return train
+
+  variants = {"matmul": lambda: float(matmuls())}
+  variants.update({name: looped(m[0]) for name, m in models.items()})
+  seconds = interleaved_medians(variants, rounds)
   peak = chain * 2 * side ** 3 / seconds["matmul"]
-  flops = train_flops_per_step(batch, [WIDTH] * (DEPTH + 1) + [CLASSES])
-  achieved = loops * steps_per_loop * flops / seconds["train"]
-  rows = [{"matmul peak GFLOP/s": peak / 1e9,
-           "train GFLOP/s": achieved / 1e9, "MFU": achieved / peak,
-           "model": f"{DEPTH}x{WIDTH} MLP, batch {batch}, SGD"}]
+  rows = []
+  for name, (sync, flops, label) in models.items():
+    sync.close()
+    achieved = loops * steps_per_loop * flops / seconds[name]
+    rows.append({"matmul peak GFLOP/s": peak / 1e9,
+                 "train GFLOP/s": achieved / 1e9, "MFU": achieved / peak,
+                 "model": label})
   columns = ["model", "matmul peak GFLOP/s", "train GFLOP/s", "MFU"]
   return {"rows": rows, "table": markdown_table(rows, columns)}
 

@@ -2,10 +2,12 @@ r"""Framework overhead: dist_loop's sync step against Keras fit and a bare loop.
 
     python -m tools.benchmarks.overhead [--quick]
 
-The seed CNN on digits (the MLP with `--quick`), on 1 and 2 logical devices
-under MirroredStrategy, the same global batch and the same input pipeline,
-with `steps_per_execution` of fit equal to our `steps_per_loop`. Three
-loops:
+The seed CNN on digits (the MLP with `--quick`), and the byte Transformer
+(`--model=transformer`, 2 blocks of 64 on 64-byte windows of `pysource`;
+tiny with `--quick`), each on 1 and 2 logical devices under
+MirroredStrategy, the same model (`models.build_for` of the same Config),
+the same global batch and the same input pipeline, with
+`steps_per_execution` of fit equal to our `steps_per_loop`. Three loops:
 
 * dist_loop: `SyncTrainer.train(steps_per_loop)`, as the controller calls it
   (explicit all-reduce, metrics, the non-finite guard);
@@ -23,6 +25,7 @@ import sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # pylint: disable=g-import-not-at-top
+import numpy as np  # pylint: disable=g-import-not-at-top
 import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
 from dist_loop import data, devices, models, optim  # pylint: disable=g-import-not-at-top
@@ -35,15 +38,29 @@ STEPS_PER_LOOP = 20
 LEARNING_RATE = 1e-3
 
 
-def _flags(model):
-  return dict(dataset="digits", model=model, global_batch_size=GLOBAL_BATCH,
-              optimizer="adam", learning_rate=LEARNING_RATE,
-              steps_per_loop=STEPS_PER_LOOP)
+# The Transformer's flags, full and quick.
+TRANSFORMER = {False: dict(dataset="pysource", seq_len=64, num_layers=2,
+                           d_model=64, num_heads=2),
+               True: dict(dataset="pysource", seq_len=16, num_layers=1,
+                          d_model=16, num_heads=2)}
 
 
-def _dist_loop(names, model, split, loops):
-  _, trainer = common.trainer(names, {**_flags(model),
-                                      "num_devices": len(names)}, split)
+def _flags(model, quick=False):
+  extra = (dict(TRANSFORMER[quick], model="transformer")
+           if model == "transformer" else dict(dataset="digits", model=model))
+  return dict(global_batch_size=GLOBAL_BATCH, optimizer="adam",
+              learning_rate=LEARNING_RATE, steps_per_loop=STEPS_PER_LOOP,
+              **extra)
+
+
+def _model(flags, split):
+  """The model dist_loop builds for these flags (options included)."""
+  return models.build_for(common.config(**flags), split)
+
+
+def _dist_loop(names, flags, split, loops):
+  _, trainer = common.trainer(names, {**flags, "num_devices": len(names)},
+                              split)
   trainer.train(STEPS_PER_LOOP)  # Traces.
 
   def run():
@@ -59,14 +76,14 @@ def fit_steps_per_execution(num_devices):
   return STEPS_PER_LOOP if num_devices == 1 else 1
 
 
-def _keras_fit(names, model_name, split, loops):
+def _keras_fit(names, flags, split, loops):
   strategy = strategy_lib.mirrored(names)
   fn = stream.train_dataset_fn(split.train_x, split.train_y, GLOBAL_BATCH,
                                seed=0)
   # The same stream, batched to the global batch: fit splits it itself.
   dataset = fn(tf.distribute.InputContext(1, 0, 1))
   with strategy.scope():
-    model = models.build(model_name, split.input_shape, split.num_classes)
+    model = _model(flags, split)
     model.compile(optimizer=keras.optimizers.Adam(LEARNING_RATE),
                   loss=keras.losses.SparseCategoricalCrossentropy(
                       from_logits=True),
@@ -80,20 +97,22 @@ def _keras_fit(names, model_name, split, loops):
   return run
 
 
-def _bare(names, model_name, split, loops):
+def _bare(names, flags, split, loops):
   strategy = strategy_lib.mirrored(names)
   with strategy.scope():
-    model = models.build(model_name, split.input_shape, split.num_classes)
+    model = _model(flags, split)
     optimizer = optim.make("adam", LEARNING_RATE, model.trainable_variables)
   fn = stream.train_dataset_fn(split.train_x, split.train_y, GLOBAL_BATCH,
                                seed=0)
   iterator = iter(strategy.distribute_datasets_from_function(fn))
+  labels_per_example = int(np.prod(split.train_y.shape[1:]))
 
   def replica_step(x, y):
     with tf.GradientTape() as tape:
       logits = model(x, training=True)
+      # The mean over the global batch's labels (a byte each, for a LM).
       loss = tf.reduce_sum(keras.losses.sparse_categorical_crossentropy(
-          y, logits, from_logits=True)) / GLOBAL_BATCH
+          y, logits, from_logits=True)) / (GLOBAL_BATCH * labels_per_example)
     grads = tape.gradient(loss, model.trainable_variables)
     optimizer.apply(grads, model.trainable_variables)  # Reduces them itself.
 
@@ -113,13 +132,14 @@ def _bare(names, model_name, split, loops):
 def run(quick: bool = False) -> dict:
   """Examples/sec of the three loops on 1 and 2 devices, and their ratios."""
   names = devices.configure(2, "cpu")
-  model = "mlp" if quick else "cnn"
-  split = data.load(common.config(**_flags(model)))
   loops, rounds = (1, 1) if quick else (10, 5)
   examples = loops * STEPS_PER_LOOP * GLOBAL_BATCH
   rows = []
-  for n in (1, 2):
-    variants = {name: build(names[:n], model, split, loops) for name, build in
+  for model, n in [(m, n) for m in ("mlp" if quick else "cnn", "transformer")
+                   for n in (1, 2)]:
+    flags = _flags(model, quick)
+    split = data.load(common.config(**flags))
+    variants = {name: build(names[:n], flags, split, loops) for name, build in
                 (("dist_loop", _dist_loop), ("keras_fit", _keras_fit),
                  ("bare", _bare))}
     seconds = common.interleaved_medians(variants, rounds)
@@ -132,7 +152,7 @@ def run(quick: bool = False) -> dict:
                  "bare ex/s": rate["bare"],
                  "vs fit": rate["dist_loop"] / rate["keras_fit"],
                  "vs bare": rate["dist_loop"] / rate["bare"]})
-  columns = ["devices", "fit steps_per_execution", "dist_loop ex/s",
+  columns = ["model", "devices", "fit steps_per_execution", "dist_loop ex/s",
              "keras_fit ex/s", "bare ex/s", "vs fit", "vs bare"]
   return {"rows": rows, "table": common.markdown_table(rows, columns)}
 

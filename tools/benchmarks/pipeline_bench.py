@@ -1,23 +1,24 @@
-r"""Pipeline benchmark: throughput, bubble and memory against micro-batches.
+r"""Pipeline benchmark: every schedule against the one-worker reference.
 
-    python -m tools.benchmarks.pipeline_bench [--quick] [--timeline=PATH]
+    python -m tools.bench --suite=pipeline [--quick]
+    python -m tools.benchmarks.pipeline_bench [--quick] [--rounds=N] \
+        [--out=rows.json] [--timeline=PATH]
 
-Two stages of the `deep_mlp` model (split by parameters: 4 + 4 of its wide
-layers) on two logical CPU devices, one intra-op thread per op and two
-inter-op threads, so each stage gets about one core. For M = 1, 2, 4, 8, 16
-and both schedules it measures seconds per step, the speed-up over the
-naive split (M=1: one stage works while the other waits), the formula's
-ideal speed-up M*K/(M+K-1), the measured bubble against (K-1)/(M+K-1), and
-the peak memory of a step. A row of single-device sync (the whole model on
-one core) is the no-parallelism reference.
+The reference is one worker: sync on one device, one intra-op and one
+inter-op thread; against it K stages reach at best M*K/(M+K-1), the
+`ideal_speedup`. Sync on one device with both cores (intra-op 2) is what a
+CPU user would otherwise run. Pipelines run `deep_mlp` at global batch 1024
+(64-row micro-batches at M=16) with K=2 and K=4 stages (one intra-op and K
+inter-op threads), every schedule and M in {4, 8, 16}, and 1F1B at M=1 (the
+`speedup_vs_m1` base); a wider MLP compares the schedules at K=2, M=8.
 
-Thread pools are fixed when TensorFlow starts, so the suite runs in one
-fresh subprocess that sets them first. The machine may be shared, so, as in
-`tools/benchmarks/common.py`, the variants are timed interleaved, round by
-round, and each reports its median; the bubble is its median too. Memory is
-the peak of TensorFlow's CPU allocator during a variant's steps above what
-was allocated before them (BFC allocator, so every tensor is tracked; the
-logical devices share it). This is a benchmark, not a test.
+Each thread setting is a worker process (pools are fixed when TensorFlow
+starts); the workers take turns round by round, idle while another
+measures, and each variant reports its median and min-max spread. A round
+times `--steps` untimed steps, then one timed step (`--pipeline_timing=log`)
+gives the measured bubble. Memory is the peak of the BFC CPU allocator,
+which the logical devices share, above what was allocated before. The
+prediction is the trainer's own, from the layer costs it measured at start.
 """
 
 import argparse
@@ -29,165 +30,245 @@ import sys
 import time
 from typing import Dict, List
 
-NUM_STAGES = 2
+import keras
+
+from dist_loop.models import MODELS
+
 GLOBAL_BATCH = 1024
-MICROBATCHES = (1, 2, 4, 8, 16)
-QUICK_MICROBATCHES = (1, 4)
-SCHEDULES = ("gpipe", "1f1b")
-TIMELINE_M = 8
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "auto")
+WIDE = {"model": "bench_wide_mlp", "batch": 512, "m": 8}
+ROUNDS, STEPS = 5, 3
+COLUMNS = ("model", "schedule", "stages", "microbatches", "virtual_stages",
+           "step_s_measured", "spread", "step_s_predicted",
+           "speedup_vs_one_worker", "ideal_speedup", "speedup_vs_m1",
+           "bubble_measured", "bubble_predicted", "peak_mb")
 
 
-def _variants(quick: bool) -> List[Dict]:
-  out = [{"name": "sync, 1 device", "mode": "sync", "m": 1}]
-  out += [{"name": f"pipeline {s}", "mode": "pipeline", "schedule": s, "m": m}
-          for s in SCHEDULES
-          for m in (QUICK_MICROBATCHES if quick else MICROBATCHES)]
+@MODELS.register("bench_wide_mlp")
+def wide_mlp(input_shape, num_classes):
+  """Six Dense(1024) layers: four times deep_mlp's work per layer."""
+  del input_shape
+  return ([keras.layers.Flatten(name="flatten")]
+          + [keras.layers.Dense(1024, activation="relu", name=f"dense_{i}")
+             for i in range(6)]
+          + [keras.layers.Dense(num_classes, name="logits")])
+
+
+def _workers(quick: bool) -> List[Dict]:
+  """One entry per worker process: its threads and its variants."""
+  ms = (4,) if quick else (4, 8, 16)
+  schedules = ("1f1b", "zb_h1") if quick else SCHEDULES
+  deep = {"model": "deep_mlp", "batch": GLOBAL_BATCH}
+  sync = [dict(deep, k=0, m=1, schedule="sync")]
+  if not quick:
+    sync.append(dict(WIDE, k=0, m=1, schedule="sync"))
+  out = [{"devices": 1, "intra": 1, "inter": 1, "variants": sync},
+         {"devices": 1, "intra": 2, "inter": 1, "variants": sync[:1],
+          "label": "sync, 2 cores"}]
+  for k in (2,) if quick else (2, 4):
+    variants = [dict(deep, k=k, m=1, schedule="1f1b")]
+    variants += [dict(deep, k=k, m=m, schedule=s) for s in schedules
+                 for m in ms]
+    if k == 2 and not quick:
+      variants += [dict(WIDE, k=k, schedule=s) for s in SCHEDULES]
+    out.append({"devices": k, "intra": 1, "inter": k, "variants": variants})
   return out
 
 
-# -- the measurements, in a fresh process --
+# -- a worker process: build once, then measure one round per request --
 
-def _worker(spec: Dict) -> List[Dict]:
-  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-  from dist_loop import devices  # pylint: disable=g-import-not-at-top
-  names = devices.configure(NUM_STAGES, "cpu", intra_op_threads=1,
-                            inter_op_threads=NUM_STAGES)
-  import keras  # pylint: disable=g-import-not-at-top
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from dist_loop import data  # pylint: disable=g-import-not-at-top
+def _trainer(names, spec, variant):
   from tools.benchmarks import common  # pylint: disable=g-import-not-at-top
-  flat = dict(dataset="synthetic", model="deep_mlp",
-              global_batch_size=GLOBAL_BATCH, optimizer="sgd",
-              learning_rate=0.01, intra_op_threads=1,
-              inter_op_threads=NUM_STAGES)
-  split = data.load(common.config(**flat))
-  trainers = []
-  for v in _variants(spec["quick"]):
-    mode = dict(mode="sync", num_devices=1)
-    if v["mode"] == "pipeline":
-      mode = dict(mode="pipeline", num_devices=NUM_STAGES,
-                  num_stages=NUM_STAGES, stage_split="params",
-                  num_microbatches=v["m"], pipeline_schedule=v["schedule"])
-    keras.utils.set_random_seed(0)
-    _, trainer = common.trainer(names[:mode["num_devices"]],
-                                {**flat, **mode}, split)
-    trainer.train(spec["warmup"])  # Traces, and warms up the allocator.
-    trainers.append(trainer)
-  seconds = [[] for _ in trainers]
-  bubbles = [[] for _ in trainers]
-  peaks = [0.0 for _ in trainers]
-  metrics = [{} for _ in trainers]
-  for _ in range(spec["rounds"]):
-    for i, trainer in enumerate(trainers):
+  flat = dict(dataset="synthetic", model=variant["model"],
+              global_batch_size=variant["batch"], optimizer="sgd",
+              learning_rate=0.01, intra_op_threads=spec["intra"],
+              inter_op_threads=spec["inter"], train_steps=10**9,
+              log_every=spec["steps"] + 1, mode="sync", num_devices=1)
+  if variant["k"]:
+    flat.update(mode="pipeline", num_devices=variant["k"],
+                num_stages=variant["k"], stage_split="params",
+                num_microbatches=variant["m"],
+                pipeline_schedule=variant["schedule"])
+  keras.utils.set_random_seed(0)
+  return common.trainer(names[:flat["num_devices"]], flat)[1]
+
+
+def _worker(spec: Dict) -> None:
+  from dist_loop import devices  # pylint: disable=g-import-not-at-top
+  from dist_loop.modes.pipeline import timeline  # pylint: disable=g-import-not-at-top
+  names = devices.configure(spec["devices"], "cpu", spec["intra"],
+                            spec["inter"])
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  trainers = [_trainer(names, spec, v) for v in spec["variants"]]
+  for t in trainers:
+    t.train(spec["steps"] + 1)  # Traces both loops; warms the allocator.
+  say = lambda obj: print(json.dumps(obj), flush=True)  # pylint: disable=unnecessary-lambda-assignment
+  say("ready")
+  for line in sys.stdin:
+    if line.strip() != "round":
+      break
+    rows = []
+    for t in trainers:
       tf.config.experimental.reset_memory_stats("CPU:0")
       base = tf.config.experimental.get_memory_info("CPU:0")["current"]
       t0 = time.perf_counter()
-      metrics[i] = trainer.train(spec["steps"])
-      seconds[i].append((time.perf_counter() - t0) / spec["steps"])
+      t.train(spec["steps"])
+      seconds = time.perf_counter() - t0
       peak = tf.config.experimental.get_memory_info("CPU:0")["peak"] - base
-      peaks[i] = max(peaks[i], peak / 2**20)
-      bubbles[i].append(metrics[i].get("pipeline/bubble_measured"))
-  rows = []
-  for i, (v, trainer) in enumerate(zip(_variants(spec["quick"]), trainers)):
-    row = {"config": v["name"], "m": v["m"] if v["mode"] == "pipeline"
-           else "-", "seconds_per_step": statistics.median(seconds[i]),
-           "peak_mb": peaks[i],
-           "bubble_measured": (statistics.median(bubbles[i])
-                               if bubbles[i][0] is not None else None),
-           "bubble_formula": metrics[i].get("pipeline/bubble_formula")}
-    if v["mode"] == "pipeline":
-      starts, ends = trainer._last_timeline  # pylint: disable=protected-access
-      row["starts"], row["ends"] = starts.tolist(), ends.tolist()
-    rows.append(row)
-    trainer.close()
-  return rows
-
-
-def _run_worker(spec: Dict) -> List[Dict]:
-  result = subprocess.run(
-      [sys.executable, "-m", "tools.benchmarks.pipeline_bench", "--worker",
-       json.dumps(spec)], capture_output=True, text=True, check=False,
-      # The BFC allocator on CPU, so that get_memory_info tracks every
-      # tensor (the default CPU allocator reports coarse numbers).
-      env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
-           "TF_CPU_ALLOCATOR_USE_BFC": "true"})
-  if result.returncode:
-    raise RuntimeError(f"pipeline benchmark worker failed:\n{result.stderr}")
-  return json.loads(result.stdout.strip().splitlines()[-1])
+      bubble = None
+      if hasattr(t, "plan"):
+        t.train(1)  # Lands on a log step: the one timed step.
+        bubble = t.report().scalars["pipeline/bubble_measured"]
+      rows.append({"s": seconds / spec["steps"], "mb": peak / 2**20,
+                   "bubble": bubble})
+    say(rows)
+  say([hasattr(t, "plan") and {
+      "name": t.schedule_name, "v": t.schedule.virtual_stages,
+      "step_s": t.plan.prediction.step_time,
+      "bubble": t.plan.prediction.bubble,
+      "peak_mb": t.plan.prediction.peak_mb,
+      "durations": timeline.median_durations(t.timeline_bars()),
+      "bars": [(d, str(a), a.kind, s, e) for d, a, s, e in t.timeline_bars()]}
+       for t in trainers])
 
 
 # -- the suite --
 
-def run(quick: bool = False, timeline_path: str = None) -> Dict:
-  """Runs every variant; returns {"rows": [...], "table": markdown}.
+class _Worker:
+  """A worker process, driven one round at a time over its pipes."""
 
-  Args:
-    quick: M in {1, 4} only, one step, one round (a smoke run of the
-      harness, not numbers to quote).
-    timeline_path: if set, a PNG of the measured GPipe and 1F1B timelines
-      at M=8 is written there, above their simulated ideal (equal stages,
-      backward twice the forward).
-  """
-  timing = ({"steps": 1, "rounds": 1, "warmup": 1} if quick
-            else {"steps": 4, "rounds": 7, "warmup": 2})
-  rows = _run_worker({"quick": quick, **timing})
-  naive = {r["config"]: r["seconds_per_step"] for r in rows if r["m"] == 1}
+  def __init__(self, spec):
+    self.spec = spec
+    self.proc = subprocess.Popen(
+        [sys.executable, "-m", "tools.benchmarks.pipeline_bench", "--worker",
+         json.dumps(spec)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        text=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
+                        "TF_CPU_ALLOCATOR_USE_BFC": "true"})
+
+  def ask(self, command):
+    if command:
+      self.proc.stdin.write(command + "\n")
+      self.proc.stdin.flush()
+    line = self.proc.stdout.readline()
+    if not line:
+      raise RuntimeError(f"pipeline benchmark worker {self.spec['devices']} "
+                         f"device(s) died (exit {self.proc.wait()})")
+    return json.loads(line)
+
+
+def run(quick: bool = False, rounds: int = None, timeline_path: str = None,
+        steps: int = STEPS) -> Dict:
+  """Runs every variant; returns {"rows", "table", "targets", ...}."""
+  rounds = rounds or (1 if quick else ROUNDS)
+  workers = []
+  for spec in _workers(quick):  # One at a time: each measures its costs.
+    workers.append(_Worker({**spec, "steps": steps}))
+    assert workers[-1].ask(None) == "ready"
+  measured = [[[] for _ in w.spec["variants"]] for w in workers]
+  for _ in range(rounds):
+    for w, store in zip(workers, measured):
+      for i, row in enumerate(w.ask("round")):
+        store[i].append(row)
+  finals = [w.ask("done") for w in workers]
+  for w in workers:
+    w.proc.wait()
+  rows = []
+  for w, store, final in zip(workers, measured, finals):
+    for variant, runs, info in zip(w.spec["variants"], store, final):
+      rows.append(_row(w.spec, variant, runs, info))
+  ref = {r["model"]: r["step_s_measured"] for r in rows
+         if r["schedule"] == "sync, one worker"}
+  m1 = {(r["model"], r["stages"]): r["step_s_measured"] for r in rows
+        if r["microbatches"] == 1 and r["schedule"] == "1f1b"}
   for r in rows:
-    if r["m"] != "-":
-      r["speedup"] = naive[r["config"]] / r["seconds_per_step"]
-      r["ideal_speedup"] = r["m"] * NUM_STAGES / (r["m"] + NUM_STAGES - 1)
+    r["speedup_vs_one_worker"] = ref[r["model"]] / r["step_s_measured"]
+    base = m1.get((r["model"], r["stages"]))
+    r["speedup_vs_m1"] = base / r["step_s_measured"] if base else None
   if timeline_path:
     _draw(rows, timeline_path)
   for r in rows:
-    r.pop("starts", None)
-    r.pop("ends", None)
-  return {"rows": rows, "table": table(rows), "global_batch": GLOBAL_BATCH,
-          **timing}
+    r.pop("bars", None)
+  return {"rows": rows, "table": table(rows), "targets": targets(rows),
+          "global_batch": GLOBAL_BATCH, "rounds": rounds, "steps": steps}
+
+
+def _row(spec, variant, runs, info) -> Dict:
+  seconds = [r["s"] for r in runs]
+  bubbles = [r["bubble"] for r in runs if r["bubble"] is not None]
+  k, m, name = variant["k"], variant["m"], variant["schedule"]
+  if info and name == "auto":
+    name = f"auto: {info['name']}"
+  row = {"model": variant["model"], "stages": k or 1, "microbatches": m,
+         "schedule": spec.get("label") or (name if k else "sync, one worker"),
+         "virtual_stages": info["v"] if info else 1,
+         "step_s_measured": statistics.median(seconds),
+         "spread": f"{min(seconds):.3f}-{max(seconds):.3f}",
+         "peak_mb": max(r["mb"] for r in runs),
+         "bubble_measured": statistics.median(bubbles) if bubbles else None,
+         "ideal_speedup": m * k / (m + k - 1) if k else None}
+  if info:
+    row.update(step_s_predicted=info["step_s"], bubble_predicted=info[
+        "bubble"], predicted_peak_mb=info["peak_mb"],
+               durations=info["durations"], bars=info["bars"])
+  return row
 
 
 def table(rows: List[Dict]) -> str:
-  """The rows as a markdown table."""
-  lines = ["| config | M | s/step | examples/s | speed-up vs M=1 | ideal "
-           "M·K/(M+K−1) | bubble measured | bubble formula | peak MB |",
-           "|---|---|---|---|---|---|---|---|---|"]
-
-  def fmt(value, spec):
-    return "–" if value is None else format(value, spec)
-
-  for r in rows:
-    lines.append(
-        f"| {r['config']} | {r['m']} | {r['seconds_per_step']:.3f} | "
-        f"{GLOBAL_BATCH / r['seconds_per_step']:.0f} | "
-        f"{fmt(r.get('speedup'), '.2f')} | {fmt(r.get('ideal_speedup'), '.2f')}"
-        f" | {fmt(r.get('bubble_measured'), '.2f')} | "
-        f"{fmt(r.get('bubble_formula'), '.2f')} | {r['peak_mb']:.1f} |")
-  return "\n".join(lines)
+  from tools.benchmarks import common  # pylint: disable=g-import-not-at-top
+  return common.markdown_table(rows, COLUMNS)
 
 
-def schedule_name(row) -> str:
-  return row["config"].split()[-1]
+def targets(rows: List[Dict]) -> Dict[str, object]:
+  """The issue's targets: name -> (the numbers, whether it is met)."""
+  pipe = {(r["schedule"], r["model"], r["stages"], r["microbatches"]): r
+          for r in rows if "step_s_predicted" in r}
+  out = {}
+  for (name, model, k, m), r in sorted(pipe.items()):
+    where = f"{model} K={k} M={m}"
+    if (name, model, k, m) in (("1f1b", "deep_mlp", 2, 8),
+                               ("1f1b", "deep_mlp", 2, 16)):
+      goal = 0.9 if m == 8 else 0.75
+      share = r["speedup_vs_one_worker"] / r["ideal_speedup"]
+      out[f"1f1b {where}: share of ideal >= {goal}"] = (
+          round(share, 3), share >= goal)
+    whole = pipe.get(("1f1b", model, k, m))
+    if name == "zb_h1" and r["bubble_measured"] is not None:
+      bound = (k - 1) / (3 * m) + 0.03
+      out[f"zb_h1 {where}: bubble <= {bound:.3f}"] = (
+          round(r["bubble_measured"], 3), r["bubble_measured"] <= bound)
+    if name == "zb_h1" and whole:
+      worst = max(((d["I"] + d["W"]) / whole["durations"][dev]["B"]
+                   for dev, d in r["durations"].items()),
+                  key=lambda x: abs(x - 1))
+      out[f"zb_h1 {where}: I+W within 10% of 1F1B's B, worst stage"] = (
+          round(worst, 3), abs(worst - 1) <= 0.10)
+    if name.startswith("auto"):
+      best = min(o["step_s_measured"] for key, o in pipe.items()
+                 if not key[0].startswith("auto") and key[1:] == (model, k, m))
+      slower = r["step_s_measured"] / best - 1
+      out[f"{name} {where}: within 5% of the best fixed schedule"] = (
+          f"{slower:+.1%}", slower <= 0.05)
+  errors = {f"{key[0]} {key[1]} K={key[2]} M={key[3]}":
+            r["step_s_predicted"] / r["step_s_measured"] - 1
+            for key, r in pipe.items()}
+  worst = max(errors, key=lambda k: abs(errors[k]))
+  out["predicted step within 15% of measured, worst"] = (
+      f"{worst}: {errors[worst]:+.1%}", abs(errors[worst]) <= 0.15)
+  return out
 
 
-def _draw(rows, path):
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  from dist_loop.modes.pipeline import schedule as sl  # pylint: disable=g-import-not-at-top
+def _draw(rows, path) -> None:
+  """The measured K=2 timelines at the largest M, one above the other."""
   from dist_loop.modes.pipeline import timeline  # pylint: disable=g-import-not-at-top
-  images = []
-  for r in rows:
-    if r["m"] == TIMELINE_M and "starts" in r:
-      schedule = sl.make(schedule_name(r), NUM_STAGES, TIMELINE_M)
-      bars = timeline.bars_from_timestamps(schedule, np.array(r["starts"]),
-                                           np.array(r["ends"]))
-      span_ms = 1e3 * max(end for _, _, _, end in bars)
-      images.append(timeline.render(
-          bars, NUM_STAGES, title=f"{schedule_name(r)} K={NUM_STAGES} "
-          f"M={TIMELINE_M} {span_ms:.0f} MS"))
-  for name in SCHEDULES:  # The same schedules, simulated: the ideal.
-    bars = timeline.bars_from_simulation(
-        sl.make(name, NUM_STAGES, TIMELINE_M))
-    images.append(timeline.render(
-        bars, NUM_STAGES,
-        title=f"{name} K={NUM_STAGES} M={TIMELINE_M} IDEAL B=2F"))
+  from dist_loop.modes.pipeline.schedule import Action  # pylint: disable=g-import-not-at-top
+  drawn = [r for r in rows if r.get("bars") and r["stages"] == 2]
+  m = max(r["microbatches"] for r in drawn)
+  images = [timeline.render(
+      [(d, Action(kind, int(label[1:])), s, e)
+       for d, label, kind, s, e in r["bars"]], 2,
+      title=f"{r['schedule'].split(':')[0]} {r['model']} M={m} "
+      f"{1e3 * r['step_s_measured']:.0f} MS")
+            for r in drawn if r["microbatches"] == m]
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   timeline.write_png(path, timeline.stack(images))
 
@@ -195,16 +276,20 @@ def _draw(rows, path):
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true")
+  parser.add_argument("--rounds", type=int, default=None)
+  parser.add_argument("--steps", type=int, default=STEPS)
   parser.add_argument("--timeline", default=None,
-                      help="write the measured M=8 timelines to this PNG")
+                      help="write the measured K=2, M=8 timelines as PNG")
   parser.add_argument("--out", default=None, help="write the rows as JSON")
   parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   if args.worker:
-    print(json.dumps(_worker(json.loads(args.worker))))
+    _worker(json.loads(args.worker))
     return
-  result = run(args.quick, args.timeline)
+  result = run(args.quick, args.rounds, args.timeline, args.steps)
   print(result["table"])
+  for name, (value, met) in result["targets"].items():
+    print(f"{'met' if met else 'NOT met'}: {name}: {value}")
   if args.out:
     with open(args.out, "w") as f:
       json.dump(result, f, indent=1)

@@ -18,6 +18,10 @@ loss are then an overflow, and the push is skipped (neither applied nor
 counted as an update), by the rule the ps mode applies too
 (`staleness.overflow`). An applied push counts a good step towards the
 scale's growth.
+
+A push whose loss is above `--max_loss` (the step core's `above_bound`) is
+a divergence: like a non-finite push, it is not applied and ends the run's
+`train` call (the trainer raises `NonFiniteError`).
 """
 
 import dataclasses
@@ -28,6 +32,7 @@ import keras
 import tensorflow as tf
 
 from dist_loop import optim, staleness
+from dist_loop import step as step_lib
 from dist_loop.modes.asynchronous import policies
 from dist_loop.modes.asynchronous.worker import Push
 from dist_loop.precision import DynamicLossScale
@@ -58,6 +63,8 @@ class Applier:
     compensation: `fn(grads, now, read, dc_lambda) -> grads`.
     dc_lambda: the delay-compensation strength.
     loss_scale: the float16 loss scale, on `device`; None: no loss scaling.
+    max_loss: a push whose loss is above it is not applied and counts as
+      non-finite; 0: no bound.
   """
 
   def __init__(self, model: keras.Model, optimizer: keras.optimizers.Optimizer,
@@ -66,7 +73,8 @@ class Applier:
                staleness_lr: Callable[[int], float] = policies.constant,
                compensation: Callable = policies.no_compensation,
                dc_lambda: float = 0.0,
-               loss_scale: Optional[DynamicLossScale] = None):
+               loss_scale: Optional[DynamicLossScale] = None,
+               max_loss: float = 0.0):
     self.model = model
     self.optimizer = optimizer
     self.step = step
@@ -76,6 +84,7 @@ class Applier:
     self.compensation = compensation
     self.dc_lambda = dc_lambda
     self.loss_scale = loss_scale
+    self.max_loss = max_loss
     self.lock = threading.Lock()
     self.version = int(step.numpy())
     self.staleness = staleness.Histogram()  # Of the applied updates.
@@ -128,6 +137,8 @@ class Applier:
     if not staleness.accepts(tau, self.max_staleness):
       self.dropped += 1
       return Outcome(tau, applied=False)
+    if bool(step_lib.above_bound(push.loss, self.max_loss)):
+      return Outcome(tau, applied=False, finite=False)
     scale = float(self.staleness_lr(tau))
     with self.lock:
       ok, norm = self._apply_fn(push.grads, push.read,

@@ -14,7 +14,7 @@ import numpy as np
 import tensorflow as tf
 
 from dist_loop import optim
-from dist_loop.modes.local_sgd import replicas
+from dist_loop import replicas
 from dist_loop.modes.local_sgd.options import LocalSGDOptions
 
 

@@ -55,7 +55,8 @@ from dist_loop.config import check_divisible
 from dist_loop.data import train_dataset_fn
 from dist_loop.errors import NonFiniteError, UserError
 from dist_loop.modes.base import MODES, Report, Reporting, Trainer
-from dist_loop.modes.local_sgd import outer, replicas
+from dist_loop import replicas
+from dist_loop.modes.local_sgd import outer
 from dist_loop.modes.local_sgd.options import LocalSGDOptions
 from dist_loop.modes.sync import SyncTrainer, make_strategy
 

@@ -1,8 +1,11 @@
 """One chunk of layers, and the ops of its F, I, W and B (inside a trace).
 
 `B` differentiates the chunk's outputs with respect to its input and its
-variables at once (`tf.gradients`). Zero-bubble schedules split it in two,
-and no FLOP is done twice:
+variables at once (`tf.gradients`). The inputs (the activations and the
+regularisation received from the previous chunk) are differentiated as
+independent leaves: the regularisation may itself depend on the received
+activations, and that path belongs to the previous chunk. Zero-bubble
+schedules split B in two, and no FLOP is done twice:
 
 * the *joins* are the ops where a weight meets the data: an op with a float
   input that comes from the chunk's trainable variables only (through
@@ -64,23 +67,25 @@ class Chunk:
   """Consecutive layers that run as one unit of a pipeline schedule."""
 
   def __init__(self, layers, first: bool, recompute: bool,
-               head: Optional[Head] = None):
+               head: Optional[Head] = None, split: bool = True):
     """Args:
       layers: the chunk's Keras layers, in order.
       first: the model's first chunk (its input is data: no gradient).
       recompute: keep only the input between F and the backward.
       head: for the model's last chunk, the loss (see `Head`).
+      split: whether the schedule runs I and W (F then lists its ops).
     """
     self.layers = list(layers)
     self.first = first
     self.recompute = recompute
     self.head = head
+    self.split = split
     self.variables = [v for layer in self.layers
                       for v in layer.trainable_variables]
 
   def _run(self, x, reg_in, head_args) -> Record:
     graph = tf.compat.v1.get_default_graph()
-    start = len(graph.get_operations())
+    start = len(graph.get_operations()) if self.split else None
     out = x
     for layer in self.layers:
       out = layer(out, training=True)
@@ -95,8 +100,8 @@ class Chunk:
     else:
       target, extra = self.head(out, reg, *head_args)
       ys = [target]
-    return Record(x, reg_in, ys, extra, graph.get_operations()[start:],
-                  head_args)
+    ops = () if start is None else graph.get_operations()[start:]
+    return Record(x, reg_in, ys, extra, ops, head_args)
 
   def forward(self, x, reg_in, *head_args) -> Record:
     """F: the chunk on one micro-batch. `head_args` go to the head."""
@@ -121,10 +126,10 @@ class Chunk:
     record = self._for_backward(record)
     inputs = self._inputs(record)
     grads = tf.gradients(record.ys, inputs + self.variables,
-                         grad_ys=grads_out,
+                         grad_ys=grads_out, stop_gradients=inputs,
                          unconnected_gradients=tf.UnconnectedGradients.ZERO)
-    return grads[:len(inputs)], [tf.convert_to_tensor(g)
-                                 for g in grads[len(inputs):]]
+    return ([tf.convert_to_tensor(g) for g in grads[:len(inputs)]],
+            [tf.convert_to_tensor(g) for g in grads[len(inputs):]])
 
   def input_grad(self, record, grads_out) -> Tuple[list, Kept]:
     """I: (gradients for the previous chunk, what W needs)."""
@@ -132,7 +137,8 @@ class Chunk:
     inputs = self._inputs(record)
     joins, weight_side = find_joins(record.ops, self.variables)
     zs = [z for op in joins for z in _floats(op.outputs)]
-    grads = tf.gradients(record.ys, inputs + zs, grad_ys=grads_out)
+    grads = tf.gradients(record.ys, inputs + zs, grad_ys=grads_out,
+                         stop_gradients=inputs)
     kept, at = [], len(inputs)
     for op in joins:
       pairs = []
@@ -145,7 +151,9 @@ class Chunk:
     grads_out = grads_out or [None] * len(record.ys)
     outputs = [(y, g if g is not None else tf.ones_like(y))
                for y, g in zip(record.ys, grads_out) if id(y) in weight_side]
-    return grads[:len(inputs)], Kept(kept, outputs, weight_side)
+    to_send = [tf.zeros_like(t) if g is None else tf.convert_to_tensor(g)
+               for t, g in zip(inputs, grads)]
+    return to_send, Kept(kept, outputs, weight_side)
 
   def weight_grad(self, kept: Kept) -> List[tf.Tensor]:
     """W: one gradient per variable, from what I kept."""
@@ -157,10 +165,18 @@ class Chunk:
       else:
         sums[id(t)] = [t, g]
 
-    for op, pairs in kept.joins:
-      side = [t for t in _floats(op.inputs) if id(t) in kept.weight_side]
-      local = tf.gradients([z for z, _ in pairs], side,
-                           grad_ys=[g for _, g in pairs])
+    # Through each join alone (every float input of a join stops the
+    # backward: a join's data input may itself depend on its weight side,
+    # as in a normalisation, and that path is I's). One call per level:
+    # a join fed directly by another cannot share its call, since stopping
+    # at its input would stop the other join's own gradient too.
+    for level in _levels(kept.joins):
+      ys = [z for _, pairs in level for z, _ in pairs]
+      side = list({id(t): t for op, _ in level for t in _floats(op.inputs)
+                   if id(t) in kept.weight_side}.values())
+      local = tf.gradients(
+          ys, side, grad_ys=[g for _, pairs in level for _, g in pairs],
+          stop_gradients=[t for op, _ in level for t in _floats(op.inputs)])
       for t, g in zip(side, local):
         if g is not None:
           add(t, tf.convert_to_tensor(g))
@@ -176,6 +192,20 @@ class Chunk:
 
 def _floats(tensors) -> List[tf.Tensor]:
   return [t for t in tensors if t.dtype.is_floating]
+
+
+def _levels(joins):
+  """The (op, pairs) of `joins` in groups where no join takes another's
+  output as an input, in order."""
+  level, groups = {}, []
+  for op, pairs in joins:
+    n = max([level[id(t.op)] + 1 for t in op.inputs if id(t.op) in level],
+            default=0)
+    level[id(op)] = n
+    if n == len(groups):
+      groups.append([])
+    groups[n].append((op, pairs))
+  return groups
 
 
 def find_joins(ops: Sequence[tf.Operation], variables

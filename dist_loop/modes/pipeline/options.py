@@ -7,6 +7,7 @@ from dist_loop.options import option
 
 STAGE_SPLITS = ("auto", "params", "explicit")
 RECOMPUTE = ("never", "always", "except_last")
+TIMING = ("log", "every", "never")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,8 +29,25 @@ class PipelineOptions:
       4, "Micro-batches M per replica batch; use M >= 4K for a small "
       "bubble.", lower=1)
   pipeline_schedule: str = option(
-      "1f1b", "Registered pipeline schedule: gpipe, 1f1b, or one an "
-      "extension adds.", choices=schedule.SCHEDULES)
+      "1f1b", "Registered pipeline schedule (gpipe, 1f1b, interleaved_1f1b, "
+      "zb_h1, zbv, or one an extension adds), or auto: the fastest one the "
+      "cost model predicts within --pipeline_memory_mb.",
+      choices=schedule.ScheduleChoices())
+  virtual_stages: int = option(
+      0, "Chunks of layers per device V: interleaved_1f1b puts V "
+      "non-adjacent chunks on each device (bubble about (K-1)/(V*M)); zbv "
+      "uses 2. 0: the schedule's own (2 for those two, 1 for the others).",
+      lower=0)
+  pipeline_memory_mb: float = option(
+      0.0, "For --pipeline_schedule=auto: the most activation memory per "
+      "device, in MB, a schedule may be predicted to keep; 0: no limit.",
+      lower=0.0)
+  pipeline_timing: str = option(
+      "log", "Per-action timestamps (measured bubble and timeline): log "
+      "times only the steps that end at a log line, so the others carry no "
+      "timestamp ops; every; never. Off under --deterministic.",
+      choices=TIMING)
   recompute: str = option(
-      "never", "Recompute each stage's activations in its backward "
-      "(tf.recompute_grad) instead of keeping them.", choices=RECOMPUTE)
+      "never", "Recompute each chunk's activations in its backward instead "
+      "of keeping them between the forward and the backward.",
+      choices=RECOMPUTE)

@@ -1,21 +1,21 @@
-"""Cutting a model's ordered layer list into K contiguous pipeline stages.
+"""Cutting a model's ordered layer list into C contiguous chunks.
 
-A partition is a list of split points: the layer indices where stages 1..K-1
-start (`--split_points=2,4` gives layers [0,2), [2,4), [4,L)). Three ways to
-choose them (`--stage_split`):
+A schedule runs C = K*V chunks (V per device; V=1 for GPipe and 1F1B, where
+a chunk is a stage). A partition is a list of split points: the layer
+indices where chunks 1..C-1 start (`--split_points=2,4` gives layers
+[0,2), [2,4), [4,L)). Three ways to choose them (`--stage_split`):
 
 * explicit: the user's `--split_points`;
-* params: balance the parameter count of the stages;
-* auto: the model's own split if its builder declares one for K (the seed
+* params: balance the parameter count of the chunks;
+* auto: the model's own split if its builder declares one for C (the seed
   CNN: conv+pool | flatten+dense+dense), else balance the measured time of
-  each layer's forward and backward on one micro-batch.
+  each layer's forward and backward on one micro-batch (`costs.py`).
 
 Balancing is the linear-partition problem: choose the cuts that minimise the
-largest stage, solved exactly by dynamic programming over (layers, stages).
+largest chunk, solved exactly by dynamic programming over (layers, chunks).
 """
 
 import dataclasses
-import time
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -25,7 +25,7 @@ from dist_loop.errors import UserError
 
 @dataclasses.dataclass(frozen=True)
 class Stage:
-  """Layers [start, end) of the model, as one pipeline stage."""
+  """Layers [start, end) of the model, as one chunk of the pipeline."""
 
   index: int
   start: int
@@ -44,14 +44,18 @@ def parse_split_points(text: str) -> List[int]:
                     "indices, e.g. 2,4") from None
 
 
-def check_split_points(points: Sequence[int], num_stages: int,
-                       num_layers: int) -> None:
-  """Raises UserError unless `points` cut `num_layers` into `num_stages`."""
+def check_split_points(points: Sequence[int], num_chunks: int,
+                       num_layers: int, why: str = "") -> None:
+  """Raises UserError unless `points` cut `num_layers` into `num_chunks`.
+
+  `why` says where the chunk count comes from (default: --num_stages).
+  """
   points = list(points)
-  if len(points) != num_stages - 1:
+  if len(points) != num_chunks - 1:
+    why = why or f"--num_stages={num_chunks}"
     raise UserError(f"--split_points={','.join(map(str, points))} gives "
-                    f"{len(points) + 1} stages but --num_stages={num_stages}; "
-                    f"give {num_stages - 1} layer indices")
+                    f"{len(points) + 1} chunks but {why} needs {num_chunks};"
+                    f" give {num_chunks - 1} layer indices")
   bad = [p for p in points if not 1 <= p <= num_layers - 1]
   if bad:
     raise UserError(f"--split_points {bad} out of range: the model has "
@@ -98,83 +102,46 @@ def layer_params(layer) -> int:
   return int(sum(np.prod(v.shape) for v in layer.trainable_variables))
 
 
-def measure_layer_seconds(layers, input_shape, batch_size: int,
-                          repeats: int = 3,
-                          input_dtype: str = "float32") -> List[float]:
-  """Forward+backward seconds of each layer on one micro-batch, in order.
-
-  Each layer is run eagerly on random input of the shape its predecessor
-  gives, once to warm up and then `repeats` times; the median is kept. This
-  is rough (eager overhead, one device), but it ranks the layers, which is
-  what balancing needs. Integer inputs (token ids) are zeros.
-  """
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  shape = (batch_size,) + tuple(input_shape)
-  x = (tf.random.normal(shape) if input_dtype == "float32"
-       else tf.zeros(shape, input_dtype))
-  seconds = []
-  for layer in layers:
-    def run(x=x, layer=layer):
-      with tf.GradientTape() as tape:
-        tape.watch(x)
-        y = layer(x, training=True)
-      grads = tape.gradient(y, [x] + list(layer.trainable_variables))
-      return y, grads
-
-    y, _ = run()
-    times = []
-    for _ in range(repeats):
-      t0 = time.perf_counter()
-      _, g = run()
-      _ = [gg.numpy() for gg in g if gg is not None]  # Wait for the work.
-      times.append(time.perf_counter() - t0)
-    seconds.append(float(np.median(times)))
-    x = y
-  return seconds
-
-
-def choose(method: str, layers, num_stages: int, split_points_text: str,
-           declared: Optional[Sequence[int]], input_shape,
-           microbatch_size: int,
-           input_dtype: str = "float32") -> Tuple[List[Stage], str]:
-  """Cuts `layers` into stages as `--stage_split` says.
+def choose(method: str, layers, num_chunks: int, split_points_text: str,
+           declared: Optional[Sequence[int]], seconds: Sequence[float],
+           why: str = "") -> Tuple[List[Stage], str]:
+  """Cuts `layers` into chunks as `--stage_split` says.
 
   Args:
     method: "auto", "params" or "explicit".
     layers: the model's built layers, in order.
-    num_stages: K.
+    num_chunks: C, the schedule's chunks.
     split_points_text: `--split_points`, for "explicit".
-    declared: the model's own split points for K
+    declared: the model's own split points for C
       (`models.split_points_for`), or None.
-    input_shape, input_dtype: one example's, for timing the layers.
-    microbatch_size: examples per micro-batch, for timing the layers.
+    seconds: each layer's measured forward+backward time (`costs.py`).
+    why: where C comes from, for messages (default: --num_stages).
 
   Returns:
-    The stages, and how the split was chosen (for the log).
+    The chunks, and how the split was chosen (for the log).
 
   Raises:
-    UserError: the split points do not cut the model into K stages.
+    UserError: the split points do not cut the model into C chunks.
   """
   n = len(layers)
-  if num_stages > n:
-    raise UserError(f"--num_stages={num_stages} but the model has only {n} "
-                    "layers; use fewer stages")
-  seconds = measure_layer_seconds(layers, input_shape, microbatch_size,
-                                  input_dtype=input_dtype)
+  if num_chunks > n:
+    raise UserError(f"{why or f'--num_stages={num_chunks}'} needs "
+                    f"{num_chunks} chunks of layers but the model has only "
+                    f"{n} layers; use fewer stages")
   params = [layer_params(layer) for layer in layers]
   if method == "explicit":
     points, how = parse_split_points(split_points_text), "explicit"
   elif method == "params":
     # A small epsilon per layer keeps parameter-free layers from being free.
-    points, how = balance([p + 1e-3 for p in params], num_stages), "params"
+    points, how = balance([p + 1e-3 for p in params], num_chunks), "params"
   elif declared is not None:
     points, how = list(declared), "the model's own split"
   else:
-    points, how = balance(seconds, num_stages), "measured time"
-  check_split_points(points, num_stages, n)
+    points, how = balance(seconds, num_chunks), "measured time"
+  check_split_points(points, num_chunks, n, why)
   bounds = [0] + list(points) + [n]
   stages = []
-  for k in range(num_stages):
+  for k in range(num_chunks):
     part = slice(bounds[k], bounds[k + 1])
     stages.append(Stage(k, bounds[k], bounds[k + 1],
                         tuple(layer.name for layer in layers[part]),
@@ -183,10 +150,15 @@ def choose(method: str, layers, num_stages: int, split_points_text: str,
 
 
 def format_partition(stages: Sequence[Stage], devices: Sequence[str]) -> str:
-  """A table of the stages: device, layers, parameters, measured time."""
+  """A table of the chunks: device, layers, parameters, measured time.
+
+  Args:
+    stages: the chunks.
+    devices: each chunk's device.
+  """
   lines = []
   for s in stages:
-    lines.append(f"  stage {s.index} on {devices[s.index]}: layers "
+    lines.append(f"  chunk {s.index} on {devices[s.index]}: layers "
                  f"[{s.start}, {s.end}) {', '.join(s.layer_names)}; "
                  f"{s.params:,} params; {s.seconds * 1e3:.2f} ms/micro-batch")
   return "\n".join(lines)

@@ -33,7 +33,7 @@ class ChunkCosts:
   activation_bytes: Tuple[float, ...] = ()  # Kept by F for the backward.
   weight_grad_bytes: Tuple[float, ...] = ()  # Kept by I for W.
   input_bytes: Tuple[float, ...] = ()  # The chunk's input (recompute).
-  recompute: bool = False
+  recomputes: Tuple[bool, ...] = ()  # Per chunk: F keeps only the input.
   overhead: float = 0.0  # Per action.
   transfer: float = 0.0  # Per dependency that crosses devices.
 
@@ -108,13 +108,14 @@ def _memory(bars: Sequence[Bar], num_devices: int, costs: ChunkCosts):
   for d, a, start, end in bars:
     c = a.chunk
     act = pick(costs.activation_bytes, c)
-    held = pick(costs.input_bytes, c) if costs.recompute else act
+    recomputes = bool(costs.recomputes) and costs.recomputes[c]
+    held = pick(costs.input_bytes, c) if recomputes else act
     if a.kind == FORWARD:
       events.append((start, 1, d, 1, held))
     elif a.kind in (INPUT_GRAD, BACKWARD):
-      if costs.recompute:  # The activations, recomputed for the backward.
+      if recomputes:  # The activations, recomputed for the backward.
         events.append((start, 1, d, 0, act))
-      freed = held + (act if costs.recompute else 0.0)
+      freed = held + (act if recomputes else 0.0)
       kept = pick(costs.weight_grad_bytes, c) if a.kind == INPUT_GRAD else 0
       events.append((end, 0, d, -1 if a.kind == BACKWARD else 0,
                      kept - freed))

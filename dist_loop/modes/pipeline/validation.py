@@ -11,6 +11,7 @@ from dist_loop import models
 from dist_loop.config import Config, check_divisible
 from dist_loop.errors import UserError
 from dist_loop.modes.pipeline import partition
+from dist_loop.modes.pipeline import schedule as schedule_lib
 
 
 def check(config: Config, num_replicas: int) -> None:
@@ -42,10 +43,31 @@ def check(config: Config, num_replicas: int) -> None:
         f"{per_replica} (--global_batch_size={config.global_batch_size} "
         f"over {num_replicas} replica(s)); use --num_microbatches="
         f"{' or '.join(map(str, sorted(near)))}")
-  _check_split(config, k)
+  chunks, why = _check_schedule(options)
+  _check_split(config, k, chunks, why)
 
 
-def _check_split(config: Config, k: int) -> None:
+def _check_schedule(options):
+  """The named schedule's chunk count (K for auto), and where it comes
+  from; raises UserError if it cannot run (K, M, V)."""
+  k = options.num_stages
+  if options.pipeline_schedule == schedule_lib.AUTO:
+    return k, ""
+  if options.pipeline_memory_mb:
+    raise UserError("--pipeline_memory_mb is only read with "
+                    "--pipeline_schedule=auto; add it or drop "
+                    "--pipeline_memory_mb")
+  schedule = schedule_lib.make(options.pipeline_schedule, k,
+                               options.num_microbatches,
+                               options.virtual_stages)
+  if schedule.num_chunks == k:
+    return k, ""
+  return schedule.num_chunks, (
+      f"--pipeline_schedule={options.pipeline_schedule} ({k} devices x "
+      f"{schedule.virtual_stages} chunks)")
+
+
+def _check_split(config: Config, k: int, chunks: int, why: str) -> None:
   options = config.mode_options
   points = partition.parse_split_points(options.split_points)
   if points and options.stage_split != "explicit":
@@ -55,13 +77,17 @@ def _check_split(config: Config, k: int) -> None:
   if num_layers is not None and k > num_layers:
     raise UserError(f"--num_stages={k} but model {config.model!r} has "
                     f"{num_layers} layers; use at most {num_layers} stages")
+  if num_layers is not None and chunks > num_layers:
+    raise UserError(f"{why} needs {chunks} chunks of layers but model "
+                    f"{config.model!r} has {num_layers} layers; use fewer "
+                    "--num_stages or --virtual_stages")
   if options.stage_split == "explicit":
     if not points:
       raise UserError("--stage_split=explicit needs --split_points, "
-                      f"{k - 1} layer indices such as "
-                      f"{','.join(str(i + 1) for i in range(k - 1))}")
+                      f"{chunks - 1} layer indices such as "
+                      f"{','.join(str(i + 1) for i in range(chunks - 1))}")
     if num_layers is not None:
-      partition.check_split_points(points, k, num_layers)
+      partition.check_split_points(points, chunks, num_layers, why)
 
 
 def count_layers(config: Config) -> Optional[int]:

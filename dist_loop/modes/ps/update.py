@@ -5,7 +5,8 @@ A worker computes a gradient on weights it read at version v (the value of
 
     under the lock (a tf.CriticalSection next to `step`, on a PS):
       tau   = step - v                   exact: only this code moves `step`
-      apply = finite, tau <= --max_staleness, and step < the call's target
+      apply = finite, loss <= --max_loss, tau <= --max_staleness, and
+              step < the call's target
       1. weights and the optimizer's counter move, if apply
       2. step += apply
       3. the stats vector += this step's record (stats.py)
@@ -31,6 +32,10 @@ gradients are computed in parallel.
 float16: the loss scale is a PS variable that the worker read with v. The
 overflow rule of the asynchronous modes (`staleness.overflow`) is applied
 here, under the lock, so the scale moves once per decision.
+
+A loss above `--max_loss` (the step core's `above_bound`) is a divergence:
+the gradient is not applied and is recorded as `nonfinite`, never as a
+float16 overflow to skip, so the trainer stops as for a non-finite step.
 """
 
 from typing import Dict, Mapping, Sequence
@@ -38,6 +43,7 @@ from typing import Dict, Mapping, Sequence
 import tensorflow as tf
 
 from dist_loop import optim, staleness
+from dist_loop import step as step_lib
 from dist_loop.modes.ps import stats as stats_lib
 
 
@@ -50,7 +56,7 @@ class LockedUpdate:
 
   def __init__(self, *, optimizer, variables: Sequence, step: tf.Variable,
                stats: tf.Variable, layout: stats_lib.Layout,
-               max_staleness: int, loss_scale=None):
+               max_staleness: int, loss_scale=None, max_loss: float = 0.0):
     """Builds the lock on `step`'s device.
 
     Args:
@@ -61,6 +67,8 @@ class LockedUpdate:
       layout: the vector's layout.
       max_staleness: the bound (`staleness.NO_BOUND`: none).
       loss_scale: the float16 `DynamicLossScale`, or None.
+      max_loss: a gradient whose loss is above it is not applied and is
+        recorded as non-finite; 0: no bound.
     """
     self.optimizer = optimizer
     self.variables = list(variables)
@@ -69,6 +77,7 @@ class LockedUpdate:
     self.layout = layout
     self.max_staleness = max_staleness
     self.loss_scale = loss_scale
+    self.max_loss = max_loss
     with tf.device(step.device):
       self.lock = tf.CriticalSection(name="ps_update")
 
@@ -93,21 +102,23 @@ class LockedUpdate:
       released.
     """
     finite = optim.all_finite(grads)
+    sane = ~tf.convert_to_tensor(step_lib.above_bound(metrics["loss"],
+                                                      self.max_loss))
 
     def locked():
       now = self.step.read_value()
       tau = now - read_version
       # `accepts` is plain Python without a bound: make it a tensor.
       fresh = tf.convert_to_tensor(staleness.accepts(tau, self.max_staleness))
-      apply = finite & fresh & (now < target)
+      apply = finite & sane & fresh & (now < target)
       applied = optim.apply_reduced(self.optimizer, grads, self.variables,
                                     apply)
       with tf.control_dependencies([applied]):  # 2. after the weights.
         counted = self.step.assign_add(tf.cast(apply, tf.int64))
-      skipped = self._answer_overflow(finite, apply, metrics["loss"],
-                                      computed_at)
-      outcome = {"applied": apply, "dropped": finite & ~fresh,
-                 "skipped": skipped, "nonfinite": ~finite & ~skipped}
+      skipped = sane & self._answer_overflow(finite, apply, metrics["loss"],
+                                             computed_at)
+      outcome = {"applied": apply, "dropped": finite & sane & ~fresh,
+                 "skipped": skipped, "nonfinite": ~sane | (~finite & ~skipped)}
       with tf.control_dependencies([counted]):  # 3. after the count.
         recorded = self.stats.assign_add(
             self.layout.record(outcome, tau, metrics))

@@ -171,9 +171,11 @@ class SyncTrainer(Trainer, Reporting):
         self.task, self.model, x, y, chunks=self.config.grad_accum_steps,
         examples_per_update=self.examples_per_step,
         contributors=self.contributors, scale=scale)
-    stateful = compressor is self.compressor and self.compression_state
+    grads = [tf.convert_to_tensor(g) for g in grads]  # Embeddings: dense.
+    # The warm-up's exact sum (`self.exact`) neither reads nor moves it.
+    stateful = compressor is self.compressor and bool(self.compression_state)
     state = self.compression_state.read() if stateful else {}
-    if stateful and scale is not None:
+    if stateful and scale is not None:  # Residuals outlive the loss scale.
       grads, scale = [g / scale for g in grads], None
     grads, state = compressor.reduce(grads, state, self.step.read_value())
     grads, ok = precision_lib.unscale_and_apply(

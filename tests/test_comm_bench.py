@@ -1,0 +1,66 @@
+"""The comm benchmark (tools.bench --suite=comm): its arithmetic, and a quick
+run whose derived numbers agree with what they are derived from.
+
+Speed and accuracy are not asserted: the quick run is a smoke run of the
+harness on the MLP.
+"""
+
+import pytest
+
+from tools import bench
+from tools.benchmarks import comm_bench
+
+
+def _row(replicas, variant, bytes_per_step, accuracy):
+  return {"replicas": replicas, "variant": variant, "target": 0.95,
+          "steps": 640, "bytes_per_step": bytes_per_step,
+          "eval_accuracy": accuracy}
+
+
+def test_rows_are_compared_with_float32_at_the_same_replica_count():
+  rows = comm_bench.with_baseline([
+      _row(2, "float32", 1000.0, 0.98), _row(2, "powersgd r=4", 50.0, 0.975),
+      _row(4, "float32", 1000.0, 0.90), _row(4, "powersgd r=4", 200.0, 0.97),
+      _row(2, "DiLoCo H=32", 1000 / 32, 0.96)])
+  assert [r["x_fewer_bytes"] for r in rows] == [1, 20, 1, 5, 32]
+  assert [round(r["points_vs_float32"], 6) for r in rows] == [
+      0, -0.5, 0, 7, -2]
+  assert comm_bench.verdicts(rows) == [
+      "- powersgd r=4, 2 replicas: 20.0x fewer bytes (target >= 10x), "
+      "-0.5 points vs float32 (target >= -1): met",
+      "- powersgd r=4, 4 replicas: 5.0x fewer bytes (target >= 10x), "
+      "+7.0 points vs float32 (target >= -1): NOT met",
+      "- DiLoCo H=32, 2 replicas: 32.0x fewer bytes (target >= 32x), "
+      "-2.0 points vs float32 (target >= -1): NOT met"]
+
+
+def test_the_suite_is_registered():
+  assert bench.SUITES["comm"] == "tools.benchmarks.comm_bench"
+
+
+def test_quick_run_reports_consistent_rows():
+  out = comm_bench.run(quick=True)
+  rows = out["rows"]
+  settings = comm_bench.SETTINGS[True]
+  assert [(r["replicas"], r["variant"]) for r in rows] == [
+      (2, v) for v in settings["variants"]]
+  by_name = {r["variant"]: r for r in rows}
+  # DiLoCo sends the weights once per 32 steps; float32 sync every step.
+  assert by_name["float32"]["ratio_to_float32"] == 1.0
+  assert by_name["DiLoCo H=32"]["ratio_to_float32"] == 1 / 32
+  assert by_name["DiLoCo H=32"]["x_fewer_bytes"] == 32
+  powersgd = by_name["powersgd r=1"]
+  assert powersgd["x_fewer_bytes"] == pytest.approx(
+      1 / powersgd["ratio_to_float32"])
+  assert powersgd["x_fewer_bytes"] > 10
+  for r in rows:
+    assert r["steps"] == settings["steps"]
+    assert 0 <= r["eval_accuracy"] <= 1
+    assert (r["examples_per_sec_min"] <= r["examples_per_sec"]
+            <= r["examples_per_sec_max"])
+    if r["steps_to_target"] is not None:
+      assert r["steps_to_target"] % comm_bench.CHUNK == 0
+      assert r["seconds_to_target"] > 0
+  lines = out["table"].splitlines()
+  assert len(lines) == len(rows) + 2 + 1 + 1  # Table, blank, one verdict.
+  assert lines[-1].startswith("- DiLoCo H=32, 2 replicas: 32.0x fewer bytes")

@@ -1,0 +1,167 @@
+"""The terminal: a run prints its own lines; other libraries' on request."""
+
+import logging
+import os
+import re
+import types
+
+import pytest
+import tensorflow as tf
+from absl import logging as absl_logging
+
+from conftest import REPO, run_train
+from dist_loop import console
+from experiments import train as entry
+
+OURS = os.path.join(REPO, "dist_loop", "controller.py")
+THEIRS = os.path.join(os.path.dirname(tf.__file__), "python", "checkpoint",
+                      "functional_saver.py")
+OUR_LINE = re.compile(r"^\d\d:\d\d:\d\d (warning: |error: )?\S")
+
+
+def _record(level, path, name="absl"):
+  return logging.LogRecord(name, level, path, 1, "message", None, None)
+
+
+@pytest.mark.parametrize("verbosity, level, path, shown", [
+    (0, logging.INFO, OURS, True),        # Progress, eval, checkpoint lines.
+    (0, logging.WARNING, OURS, True),     # A warning to act on.
+    (0, logging.INFO, THEIRS, False),     # "Sharding callback duration".
+    (0, logging.WARNING, THEIRS, False),
+    (0, logging.ERROR, THEIRS, True),
+    (0, logging.DEBUG, OURS, False),
+    (-1, logging.INFO, OURS, False),      # absl's meaning of -1: warnings.
+    (-1, logging.WARNING, OURS, True),
+    (1, logging.WARNING, THEIRS, True),
+    (1, logging.INFO, THEIRS, False),
+    (1, logging.DEBUG, OURS, True),
+    (2, logging.INFO, THEIRS, True),
+])
+def test_whose_records_show_at_each_verbosity(verbosity, level, path, shown):
+  assert console.QuietFilter(verbosity).filter(_record(level, path)) == shown
+
+
+def test_the_tensorflow_logger_is_never_ours():
+  record = _record(logging.INFO, OURS, name="tensorflow")
+  assert not console.QuietFilter(0).filter(record)
+
+
+@pytest.mark.parametrize("line, verbosity, kept", [
+    ("WARNING: All log messages before absl::InitializeLog() is called are "
+     "written to STDERR\n", 0, False),
+    ("I0000 00:00:1796.5   32006 port.cc:153] oneDNN custom operations are "
+     "on.\n", 0, False),
+    ("I0000 00:00:1796.5   32006 port.cc:153] oneDNN custom operations are "
+     "on.\n", 2, True),
+    ("W0000 00:00:1796.5   32006 cuda.cc:1] no GPU\n", 0, False),
+    ("W0000 00:00:1796.5   32006 cuda.cc:1] no GPU\n", 1, True),
+    ("E0000 00:00:1796.5   32006 file.cc:1] broken\n", 0, True),
+    ("/x/y.py:3: UserWarning: Python's own warning\n", 0, True),
+])
+def test_native_start_up_lines(line, verbosity, kept):
+  assert console.keep_native_line(line, verbosity) == kept
+
+
+def test_native_stderr_is_filtered_inside_the_block(capfd):
+  with console.native_stderr_filtered(0):
+    os.write(2, b"I0000 00:00:1.0 1 port.cc:153] oneDNN notice\n"
+                b"E0000 00:00:1.0 1 file.cc:1] a real error\n")
+  assert capfd.readouterr().err == "E0000 00:00:1.0 1 file.cc:1] a real error\n"
+
+
+@pytest.mark.parametrize("verbosity, environment, level", [
+    (0, None, "2"), (0, "0", "0"), (1, "2", "1"), (2, "2", "0")])
+def test_the_native_log_level(monkeypatch, verbosity, environment, level):
+  """The environment's, unless --verbosity asks for more."""
+  if environment is None:
+    monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
+  else:
+    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", environment)
+  console.start(verbosity)  # TensorFlow is imported already: env only.
+  assert os.environ["TF_CPP_MIN_LOG_LEVEL"] == level
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["train"], 0),
+    (["train", "--mode=async", "--verbosity=2"], 2),
+    (["train", "-v=1", "--workdir=x"], 1),
+    (["train", "--verbosity=-1"], -1),
+    (["train", "--flagfile=/no/such/file", "--verbosity=2"], 0),
+])
+def test_the_verbosity_is_read_before_tensorflow_starts(argv, expected):
+  assert entry.requested_verbosity(argv) == expected
+
+
+def test_the_verbosity_in_a_flagfile(tmp_path):
+  flagfile = tmp_path / "run.flags"
+  flagfile.write_text("--mode=sync\n--verbosity=1\n")
+  assert entry.requested_verbosity(["train", f"--flagfile={flagfile}"]) == 1
+
+
+@pytest.fixture
+def restored_logging():
+  handler = absl_logging.get_absl_handler()
+  tf_logger = logging.getLogger("tensorflow")
+  saved = (list(handler.filters), handler.python_handler.formatter,
+           list(tf_logger.handlers), tf_logger.level)
+  yield handler
+  handler.filters[:] = saved[0]
+  handler.setFormatter(saved[1])
+  tf_logger.handlers[:] = saved[2]
+  tf_logger.setLevel(saved[3])
+
+
+def test_setup_replaces_its_filter_and_quiets_tensorflow(restored_logging):
+  handler = restored_logging
+  tf_logger = logging.getLogger("tensorflow")
+  tf_logger.addHandler(logging.StreamHandler())  # As TensorFlow adds one.
+  console.setup(0)
+  console.setup(1)
+  (quiet,) = [f for f in handler.filters
+              if isinstance(f, console.QuietFilter)]
+  assert quiet.verbosity == 1
+  assert tf_logger.level == logging.WARNING and not tf_logger.handlers
+  record = _record(logging.WARNING, OURS)
+  record.created = 0.0
+  assert re.match(r"^\d\d:\d\d:\d\d warning: message$",
+                  handler.python_handler.formatter.format(record))
+
+
+def test_the_banner_names_mode_devices_model_and_data():
+  config = types.SimpleNamespace(mode="sync", model="mlp", dataset="digits",
+                                 train_steps=600, global_batch_size=64)
+  model = types.SimpleNamespace(trainable_variables=[
+      tf.Variable(tf.zeros((64, 32))), tf.Variable(tf.zeros((32,)))])
+  data = types.SimpleNamespace(train_y=[0] * 1438, eval_y=[0] * 359)
+  assert console.banner(
+      config, ["/device:CPU:0", "/job:worker/replica:0/task:1/device:CPU:1"],
+      model, data) == (
+          "sync on 2 devices (CPU:0, CPU:1)  |  mlp: 2,080 parameters  |  "
+          "digits: 1,438 train / 359 eval examples  |  600 steps of 64")
+
+
+def test_a_run_prints_its_own_lines_only(tmp_path):
+  """A real command, in a new process: TensorFlow's start-up included."""
+  result = run_train(f"--workdir={tmp_path / 'run'}", "--dataset=synthetic",
+                     "--model=mlp", "--train_steps=4", "--steps_per_loop=2",
+                     "--log_every=2", "--eval_every=4",
+                     "--checkpoint_every=4", "--global_batch_size=32")
+  assert result.returncode == 0, result.stderr[-3000:]
+  lines = result.stderr.splitlines()
+  assert all(OUR_LINE.match(line) for line in lines), result.stderr[-3000:]
+  text = [line[9:] for line in lines]  # Without the time.
+  kinds = {
+      "banner": r"^sync on 1 device \(CPU:0\)  \|  mlp: [\d,]+ parameters  "
+                r"\|  synthetic: [\d,]+ train / [\d,]+ eval examples  \|  4 "
+                r"steps of 32$",
+      "progress": r"^step [24]/4  loss \S+  acc \S+  \d+ ex/s  "
+                  r"eta \d+:\d\d:\d\d$",
+      "eval": r"^step 4  eval/loss \S+  eval/accuracy \S+$",
+      "checkpoint": r"^step 4  saved checkpoint \S+ckpt-4$",
+  }
+  seen = [[k for k, regex in kinds.items() if re.match(regex, line)]
+          for line in text]
+  # Nothing else: TensorFlow's lines would pass through our format too.
+  assert seen == [["banner"], ["progress"], ["progress"], ["eval"],
+                  ["checkpoint"]], "\n".join(text)
+  assert result.stdout.startswith("done: step 4, eval accuracy ")

@@ -1,0 +1,118 @@
+"""The divergence guard, `--max_loss`: a step whose finite loss is above
+the bound is handled like a non-finite step, in every mode that honours it.
+
+The step core's loop, the async applier and the ps locked update are tested
+here directly; end to end, a run that diverges (Adam at a learning rate of
+1e9) stops at its second step, or is refused at the door by a mode that does
+not honour the flag.
+"""
+
+import types
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from dist_loop import optim, staleness, train
+from dist_loop import step as step_lib
+from dist_loop.errors import NonFiniteError, UserError
+from dist_loop.modes import MODES
+from dist_loop.modes.asynchronous.applier import Applier
+from dist_loop.modes.asynchronous.worker import Push
+from dist_loop.modes.ps import stats, update
+from experiments import extensions  # noqa: F401  (registers single_device)
+
+
+def _run_steps_on(losses, max_loss, nonfinite="raise"):
+  """`step.run_steps` over steps whose losses are `losses` (all applied)."""
+  step = tf.Variable(0, dtype=tf.int64)
+  values = iter(tf.data.Dataset.from_tensor_slices(
+      tf.constant(losses, tf.float32)))
+
+  @tf.function
+  def loop(iterator):
+    return step_lib.run_steps(
+        lambda loss: ({"loss": loss}, tf.math.is_finite(loss), ()),
+        iterator, tf.constant(len(losses), tf.int64), step, keys=("loss",),
+        nonfinite=nonfinite, max_loss=max_loss)
+
+  means, bad_step, _ = loop(values)
+  return int(bad_step), int(step.numpy()), float(means["skipped_steps"])
+
+
+def test_a_loss_above_max_loss_ends_the_loop_at_its_step():
+  assert _run_steps_on([2.0, 3.0, 500.0, 2.0], max_loss=100.0)[:2] == (3, 3)
+  assert _run_steps_on([2.0, 3.0, 500.0, 2.0], max_loss=0.0)[:2] == (-1, 4)
+  # A non-finite loss stays the non-finite policy's (skip drops it); a
+  # finite one above the bound cannot be skipped: its update was applied.
+  assert _run_steps_on([2.0, np.nan, 2.0], 100.0, "skip") == (-1, 3, 1.0)
+  assert _run_steps_on([2.0, 500.0, 2.0], 100.0, "skip")[:2] == (2, 2)
+
+
+def test_async_does_not_apply_a_push_above_max_loss():
+  w = tf.Variable([1.0, 2.0])
+  step = tf.Variable(0, dtype=tf.int64)
+  model = types.SimpleNamespace(trainable_variables=[w])
+  applier = Applier(model, optim.make("sgd", 1.0, [w]), step, "/cpu:0",
+                    max_loss=100.0)
+
+  def push(loss):
+    return Push(0, applier.version, [tf.ones(2)], [tf.identity(w)],
+                {"loss": tf.constant(loss)})
+
+  assert applier.offer(push(5.0)).applied and w.numpy().tolist() == [0, 1]
+  outcome = applier.offer(push(500.0))
+  assert not outcome.applied and not outcome.finite
+  assert w.numpy().tolist() == [0, 1] and applier.version == 1
+
+
+def test_ps_records_a_loss_above_max_loss_as_nonfinite():
+  layout = stats.Layout(("loss",))
+  w = tf.Variable([1.0, 2.0])
+  step = tf.Variable(0, dtype=tf.int64)
+  locked = update.LockedUpdate(
+      optimizer=optim.make("sgd", 1.0, [w]), variables=[w], step=step,
+      stats=tf.Variable(tf.zeros([layout.size], tf.float64)), layout=layout,
+      max_staleness=staleness.NO_BOUND, max_loss=100.0)
+  offer = tf.function(lambda loss: locked(
+      [tf.ones(2)], step.read_value(), tf.constant(10, tf.int64),
+      {"loss": loss, "grad_norm": tf.constant(1.0)}, tf.constant(1.0)))
+  assert offer(tf.constant(5.0))["applied"]
+  out = offer(tf.constant(500.0))
+  assert out["nonfinite"] and not (out["applied"] or out["skipped"])
+  assert w.numpy().tolist() == [0, 1] and int(step.numpy()) == 1
+  assert layout.read(locked.stats.numpy()).counts["nonfinite"] == 1
+
+
+@pytest.mark.parametrize("mode", ["sync", "pipeline", "async", "local_sgd",
+                                  "single_device"])
+def test_max_loss_stops_a_diverging_run_or_is_refused(small_config, mode):
+  """Adam at a learning rate of 1e9 gives finite losses of ~1e9 from the
+  second step on (see the next test): every mode that honours --max_loss
+  stops there; the others refuse the flag at the door."""
+  extra = {"pipeline": dict(num_devices=2, num_stages=2,
+                            num_microbatches=2),
+           "local_sgd": dict(sync_every=2)}.get(mode, {})
+  cfg = small_config(mode=mode, optimizer="adam", learning_rate=1e9,
+                     max_loss=100.0, train_steps=4, steps_per_loop=2,
+                     **extra)
+  if not MODES.get(mode).checks_max_loss:
+    with pytest.raises(UserError, match=f"--max_loss is not supported in "
+                       f"--mode={mode}"):
+      train.run(cfg)
+    return
+  with pytest.raises(NonFiniteError, match="a loss above --max_loss=100") as e:
+    train.run(cfg)
+  assert e.value.step == 2
+
+
+def test_without_max_loss_a_diverging_run_succeeds(small_config):
+  summary = train.run(small_config(optimizer="adam", learning_rate=1e9,
+                                   train_steps=4, steps_per_loop=2))
+  assert summary["final_step"] == 4 and summary["train_loss"] > 1e3
+
+
+def test_max_loss_refuses_skip(small_config):
+  with pytest.raises(UserError, match="cannot be combined with "
+                     "--nonfinite=skip"):
+    train.run(small_config(max_loss=10.0, nonfinite="skip"))

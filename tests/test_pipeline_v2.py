@@ -1,0 +1,374 @@
+"""Pipeline v2: the I/W split, the new schedules, timing, determinism, auto.
+
+Every schedule, with and without recompute, for K = 2, 3, 4, V = 2 where it
+applies, and R x K hybrid, must equal single-device sync after several Adam
+steps. The split of the backward into I and W must do no FLOP twice: that
+is checked on the ops that run, not on timings. Timing must add its ops
+only to the steps that are logged, and --deterministic must run.
+"""
+
+import collections
+import logging
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow.python.framework import config as tf_config  # pylint: disable=g-direct-tensorflow-import
+
+from conftest import max_diff
+from dist_loop import configure, data, devices, make_config, models, tasks
+from dist_loop.cluster import Cluster
+from dist_loop.errors import UserError
+from dist_loop.models import MODELS
+from dist_loop.modes import build_trainer
+from dist_loop.modes.pipeline import PipelineTrainer, costs
+from dist_loop.modes.pipeline.chunk import Chunk
+
+STEPS = 3
+TOLERANCE = 1e-5
+LOCAL = Cluster()
+MODEL = "test_nine_layers"
+
+
+@MODELS.register(MODEL)
+def _nine_layers(input_shape, num_classes):
+  """Enough layers for 8 chunks; one layer with a weight and an activity
+  regulariser, whose terms travel between chunks."""
+  del input_shape
+  l2 = keras.regularizers.L2
+  return ([keras.layers.Dense(12, activation="relu", name="dense_0"),
+           keras.layers.Dense(12, activation="tanh", name="dense_1",
+                              kernel_regularizer=l2(0.02),
+                              activity_regularizer=l2(0.01))]
+          + [keras.layers.Dense(12, activation="relu", name=f"dense_{i}")
+             for i in range(2, 8)]
+          + [keras.layers.Dense(num_classes, name="logits")])
+
+
+@pytest.fixture(autouse=True)
+def eager_costs(monkeypatch):
+  """The traced measurement of layer costs adds a trace to each trainer;
+  only the tests of costs and auto need it."""
+  monkeypatch.setattr(PipelineTrainer, "cost_measurement", "eager")
+
+
+def config(tmp_path, **overrides):
+  flat = dict(workdir=str(tmp_path), dataset="synthetic", model=MODEL,
+              num_devices=1, global_batch_size=48, train_steps=STEPS,
+              optimizer="adam", learning_rate=0.01, steps_per_loop=STEPS,
+              log_every=STEPS, eval_every=STEPS, checkpoint_every=STEPS,
+              seed=0)
+  flat.update(overrides)
+  return configure.validate(make_config(**flat), LOCAL)
+
+
+def build(cfg):
+  names = devices.configure(cfg.num_devices, "cpu")
+  keras.utils.set_random_seed(cfg.seed)
+  return build_trainer(cfg, names, data.load(cfg), LOCAL)
+
+
+def weights(trainer):
+  return [v.numpy() for v in trainer.model.trainable_variables]
+
+
+def pipeline(schedule, k, m, replicas=1, recompute="never", **overrides):
+  return dict(mode="pipeline", num_devices=replicas * k, num_stages=k,
+              num_microbatches=m, pipeline_schedule=schedule,
+              recompute=recompute, stage_split="params",
+              pipeline_timing="never", **overrides)
+
+
+@pytest.fixture(scope="module")
+def sync_reference(tmp_path_factory):
+  trainer = build(config(tmp_path_factory.mktemp("sync")))
+  start = weights(trainer)
+  trainer.train(STEPS)
+  out = weights(trainer)
+  trainer.close()
+  assert max_diff(out, start) > 1e-2  # Training moved the variables.
+  return out
+
+
+# -- every schedule equals sync --
+
+# Each new schedule at K=2 (as R=2 x K=2 hybrid), 3 and 4, with and
+# without recompute; GPipe and 1F1B at K=4 (test_pipeline.py has K=2, 3).
+@pytest.mark.parametrize("schedule,k,m,replicas,recompute", [
+    ("gpipe", 4, 4, 1, "always"),
+    ("1f1b", 4, 4, 1, "never"),
+    ("interleaved_1f1b", 2, 4, 2, "never"),
+    ("interleaved_1f1b", 3, 6, 1, "always"),
+    ("interleaved_1f1b", 4, 4, 1, "except_last"),
+    ("zb_h1", 2, 4, 2, "always"),
+    ("zb_h1", 3, 6, 1, "never"),
+    ("zb_h1", 4, 4, 1, "except_last"),
+    ("zbv", 2, 4, 2, "never"),
+    ("zbv", 3, 6, 1, "except_last"),
+    ("zbv", 4, 4, 1, "always"),
+])
+def test_every_schedule_equals_single_device_sync(
+    tmp_path, sync_reference, schedule, k, m, replicas, recompute):
+  trainer = build(config(tmp_path, **pipeline(schedule, k, m, replicas,
+                                              recompute)))
+  chunks = {"interleaved_1f1b": 2 * k, "zbv": 2 * k}.get(schedule, k)
+  assert trainer.schedule.num_chunks == len(trainer.stages) == chunks
+  metrics = trainer.train(STEPS)
+  assert metrics["train/skipped_steps"] == 0
+  assert max_diff(sync_reference, weights(trainer)) <= TOLERANCE
+  trainer.close()
+
+
+# -- I + W is B: no FLOP twice --
+
+EXPENSIVE = ("MatMul", "BatchMatMulV2", "Einsum", "Conv2D",
+             "Conv2DBackpropInput", "Conv2DBackpropFilter",
+             "UnsortedSegmentSum")
+
+
+def _live_ops(concrete) -> collections.Counter:
+  """(action scope, op type) of every op that runs: what the function's
+  outputs and side effects need (the rest is pruned when it is
+  instantiated)."""
+  graph = concrete.graph
+  stack = [t.op for t in concrete.outputs] + list(graph.control_outputs)
+  seen = set()
+  while stack:
+    op = stack.pop()
+    if op.name not in seen:
+      seen.add(op.name)
+      stack += [t.op for t in op.inputs] + list(op.control_inputs)
+  return collections.Counter((op.name.split("/")[0], op.type)
+                             for op in graph.get_operations()
+                             if op.name in seen)
+
+
+def _split_against_whole(layers, x, grads_out, reg_in=None, first=False,
+                         head=None):
+  """Runs F then B, and F then I then W, of one chunk; returns both results
+  and the ops that run in each action."""
+  chunk = Chunk(layers, first=first, recompute=False, head=head)
+  args = (x,) if reg_in is None else (x, reg_in)
+
+  @tf.function
+  def whole(x, reg_in=None):
+    with tf.name_scope("F"):
+      record = chunk.forward(x, reg_in)
+    with tf.name_scope("B"):
+      return chunk.backward(record, grads_out)
+
+  @tf.function
+  def split(x, reg_in=None):
+    with tf.name_scope("F"):
+      record = chunk.forward(x, reg_in)
+    with tf.name_scope("I"):
+      sent, kept = chunk.input_grad(record, grads_out)
+    with tf.name_scope("W"):
+      return sent, chunk.weight_grad(kept)
+
+  results = [f(*args) for f in (whole, split)]
+  ops = [_live_ops(f.get_concrete_function(*args)) for f in (whole, split)]
+  return results, ops
+
+
+def _by_type(ops, scope):
+  return collections.Counter({t: n for (s, t), n in ops.items()
+                              if s == scope and t in EXPENSIVE})
+
+
+def test_input_and_weight_gradients_split_b_without_repeating_a_flop():
+  keras.utils.set_random_seed(0)
+  layers = _nine_layers(None, 4)[:4]
+  model = keras.Sequential(layers)
+  model.build((None, 6))
+  x = tf.random.normal([5, 6])
+  reg_in = tf.constant(0.5)
+  grads_out = [tf.random.normal([5, 12]), tf.constant(0.25)]
+  (whole, split), (ops_b, ops_iw) = _split_against_whole(
+      layers, x, grads_out, reg_in=reg_in)
+  for a, b in zip(tf.nest.flatten(whole), tf.nest.flatten(split)):
+    np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-7)
+  b, i, w = (_by_type(ops_b, "B"), _by_type(ops_iw, "I"),
+             _by_type(ops_iw, "W"))
+  # Four layers: a matmul each for the input gradients (I) and the kernel
+  # gradients (W), and B is exactly the two.
+  assert i == {"MatMul": 4} and w == {"MatMul": 4} and b == i + w
+  # W never goes back through the data path: no activation derivative.
+  assert not any(t in ("ReluGrad", "TanhGrad") for s, t in ops_iw
+                 if s == "W")
+
+
+def test_the_split_holds_for_a_transformer_chunk():
+  keras.utils.set_random_seed(0)
+  options = MODELS.get("transformer").Options(
+      num_layers=1, d_model=8, num_heads=2, mlp_ratio=2)
+  model = models.build("transformer", (6,), 16, options=options)
+  ids = tf.random.uniform([3, 6], maxval=16, dtype=tf.int32)
+  probe = tf.random.normal([3, 6, 16])
+
+  def head(out, reg):
+    del reg
+    return tf.reduce_sum(out * probe), None
+
+  (whole, split), (ops_b, ops_iw) = _split_against_whole(
+      model.layers, ids, None, first=True, head=head)
+  for a, b in zip(tf.nest.flatten(whole), tf.nest.flatten(split)):
+    np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
+  b, i, w = (_by_type(ops_b, "B"), _by_type(ops_iw, "I"),
+             _by_type(ops_iw, "W"))
+  assert sum(w.values()) > 0 and sum(i.values()) > 0
+  assert b == i + w
+  assert w["UnsortedSegmentSum"] == 1  # The embedding's gradient, in W.
+
+
+# -- timing: only logged steps carry timestamps --
+
+def _op_types(loop, iterator, num_steps):
+  """Every op type in the traced loop, its nested functions included; a
+  call of the timestamp function counts as "stamp"."""
+  graph_def = loop.get_concrete_function(
+      iterator, tf.constant(num_steps, tf.int64)).graph.as_graph_def()
+  nodes = list(graph_def.node)
+  for function in graph_def.library.function:
+    nodes += list(function.node_def)
+  return collections.Counter(
+      "stamp" if "stamp_into" in n.attr["f"].func.name else n.op
+      for n in nodes)
+
+
+def test_log_timing_times_only_the_step_that_ends_at_a_log_line(tmp_path):
+  cfg = config(tmp_path, train_steps=6, log_every=3,
+               **dict(pipeline("zb_h1", 2, 4), pipeline_timing="log"))
+  trainer = build(cfg)
+  assert trainer._segments(0, 2) == [(2, False)]
+  assert trainer._segments(2, 1) == [(1, True)]
+  assert trainer._segments(3, 3) == [(2, False), (1, True)]
+  trainer.train(2)
+  assert trainer.trace_counts == {False: 1, True: 0}
+  assert "pipeline/bubble_measured" not in trainer.report().scalars
+  trainer.train(4)  # Steps 2..5 untimed, then step 6 is logged: timed.
+  assert trainer.trace_counts == {False: 1, True: 1}
+  assert 0 <= trainer.report().scalars["pipeline/bubble_measured"] < 1
+  untimed = _op_types(trainer._loops[False], trainer._iterator, 1)
+  timed = _op_types(trainer._loops[True], trainer._iterator, 1)
+  actions = sum(len(row) for row in trainer.schedule.devices)
+  assert untimed["Timestamp"] == untimed["stamp"] == 0
+  assert timed["Timestamp"] == 1 and timed["stamp"] == 2 * actions
+  assert sum(untimed.values()) < sum(timed.values())
+  trainer.close()
+
+
+@pytest.fixture
+def op_determinism():
+  tf_config.enable_op_determinism()
+  try:
+    yield
+  finally:
+    tf_config.disable_op_determinism()
+
+
+def test_deterministic_runs_untimed_and_says_so(tmp_path, op_determinism,
+                                                 caplog, sync_reference):
+  del op_determinism
+  with caplog.at_level(logging.INFO):
+    trainer = build(config(tmp_path, deterministic=True, **dict(
+        pipeline("zbv", 2, 4), pipeline_timing="log")))
+  assert trainer.timing == "never"
+  said = [r.getMessage() for r in caplog.records
+          if "--deterministic" in r.getMessage()]
+  assert len(said) == 1 and "timing is off" in said[0]
+  trainer.train(STEPS)  # Ends at a log line.
+  assert max_diff(sync_reference, weights(trainer)) <= TOLERANCE
+  report = trainer.report()
+  assert "pipeline/bubble_measured" not in report.scalars
+  assert "pipeline/timeline" in report.images  # The predicted one.
+  trainer.close()
+  # Why: a timed step is refused under op determinism.
+  timed = build(config(tmp_path, **dict(pipeline("1f1b", 2, 4),
+                                        pipeline_timing="every")))
+  with pytest.raises(tf.errors.OpError, match="determinism"):
+    timed.train(1)
+  timed.close()
+
+
+# -- auto: the fastest predicted schedule within the memory budget --
+
+def test_auto_picks_the_fastest_predicted_schedule_that_fits(
+    tmp_path, caplog, monkeypatch):
+  monkeypatch.setattr(PipelineTrainer, "cost_measurement", "traced")
+  with caplog.at_level(logging.INFO):
+    trainer = build(config(tmp_path, **pipeline("auto", 2, 4)))
+  table = [r.getMessage() for r in caplog.records
+           if "predicted from the measured costs" in r.getMessage()]
+  assert len(table) == 1
+  for name in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv"):
+    assert f" {name} " in table[0]
+  chosen = trainer.plan.prediction
+  assert trainer.summary()["pipeline_schedule"] == trainer.schedule_name
+  assert f"* {trainer.schedule_name} " in table[0]
+  # No other candidate is predicted faster.
+  from dist_loop.modes.pipeline import planner  # pylint: disable=g-import-not-at-top
+  plans, _ = planner.make_plans(
+      trainer.options, trainer.model.layers, trainer.layer_costs,
+      lambda c: None)
+  assert chosen.step_time == min(p.prediction.step_time for p in plans)
+  # A budget below the fastest one's memory but above 1F1B's excludes it.
+  by_name = {p.name: p for p in plans}
+  budget = by_name["1f1b"].prediction.peak_mb
+  fits = planner.pick(plans, budget)
+  assert fits.prediction.peak_mb <= budget
+  assert fits.prediction.step_time == min(
+      p.prediction.step_time for p in plans
+      if p.prediction.peak_mb <= budget)
+  with pytest.raises(UserError, match="raise --pipeline_memory_mb"):
+    planner.pick(plans, 1e-6)
+  trainer.close()
+
+
+def test_traced_costs_time_each_layer_as_the_executor_runs_it():
+  keras.utils.set_random_seed(0)
+  layers = [keras.layers.Dense(256, activation="relu"),
+            keras.layers.Dense(4, activation="relu"), keras.layers.Dense(10)]
+  keras.Sequential(layers).build((None, 64))
+  x = tf.random.normal([32, 64])
+  y = tf.zeros([32], tf.int32)
+  sizes = costs.measure_layers(layers, (64,), 32, repeats=0)
+  assert [c.output_bytes for c in sizes] == [32 * 256 * 4, 32 * 4 * 4,
+                                            32 * 10 * 4]
+  assert all(c.forward == 0 for c in sizes)
+  task = tasks.TASKS.get("classification")()
+  measured = costs.measure_traced(layers, sizes, x, y, task, "/CPU:0")
+  for c in measured:
+    assert c.forward > 0 and c.input_grad > 0 and c.weight_grad > 0
+    assert c.backward == c.input_grad + c.weight_grad
+  assert measured[0].output_bytes == sizes[0].output_bytes
+  chunks = costs.for_chunks(measured, [0, 1, 3], recompute="except_last")
+  assert chunks.forward[1] == pytest.approx(measured[1].forward
+                                            + measured[2].forward)
+  # The first chunk recomputes its forward in its backward; the last not.
+  assert chunks.input_grad[0] == pytest.approx(measured[0].input_grad
+                                               + measured[0].forward)
+  assert chunks.recomputes == (True, False)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(pipeline_schedule="interleaved_1f1b", num_stages=2,
+          num_microbatches=3, global_batch_size=48),
+     r"--num_microbatches=3 must be a multiple of 2"),
+    (dict(pipeline_schedule="zbv", virtual_stages=3), r"zbv puts 2 chunks"),
+    (dict(pipeline_schedule="1f1b", virtual_stages=2),
+     r"one chunk of layers on each device"),
+    (dict(pipeline_schedule="zbv", model="mlp"),
+     r"needs 4 chunks of layers but model 'mlp' has 3"),
+    (dict(pipeline_schedule="zbv", stage_split="explicit", split_points="3"),
+     r"gives 2 chunks but --pipeline_schedule=zbv \(2 devices x 2 chunks\) "
+     r"needs 4"),
+    (dict(pipeline_memory_mb=10.0), r"only read with --pipeline_schedule=auto"),
+    (dict(pipeline_timing="sometimes"), r"unknown --pipeline_timing"),
+])
+def test_bad_schedule_options_fail_at_the_door(tmp_path, overrides, message):
+  flat = {"mode": "pipeline", "num_devices": 2, "num_stages": 2,
+          **overrides}
+  with pytest.raises(UserError, match=message):
+    config(tmp_path, **flat)

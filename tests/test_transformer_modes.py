@@ -1,0 +1,146 @@
+"""The byte-level Transformer in every in-process mode.
+
+Each mode is compared with single-device sync on the same tiny model and the
+same byte windows: pipeline (K=2, K=4), async with one worker, local SGD with
+H=1 and gradient accumulation must reach the same variables to 1e-5; mixed
+precision and hybrid pipeline must train. The Transformer stresses what the
+MLP does not: an embedding lookup (its gradient is dense here), layer norms,
+attention, and the language-model task's per-token loss.
+"""
+
+import math
+
+import keras
+import numpy as np
+import pytest
+
+from conftest import max_diff
+from dist_loop import configure, data, devices, make_config
+from dist_loop.cluster import Cluster
+from dist_loop.modes import build_trainer
+
+STEPS = 3
+TOLERANCE = 1e-5
+LOCAL = Cluster()
+TINY = dict(model="transformer", num_layers=2, d_model=16, num_heads=2,
+            mlp_ratio=2, seq_len=8)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+  """A small text file with structure (repeated words), about 16 KB."""
+  words = ["alpha", "beta", "gamma", "delta", "pipeline", "stage", "byte"]
+  rng = np.random.RandomState(0)
+  text = " ".join(words[i] for i in rng.randint(0, len(words), 2800))
+  path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+  path.write_text(text)
+  return str(path)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+  return tmp_path_factory.mktemp("transformer_modes")
+
+
+def config(corpus, workdir, name, **overrides):
+  flat = dict(workdir=str(workdir / name), dataset="text", data_file=corpus,
+              num_devices=1, global_batch_size=16, train_steps=STEPS,
+              optimizer="adam", learning_rate=0.01, steps_per_loop=STEPS,
+              log_every=STEPS, eval_every=STEPS, checkpoint_every=STEPS,
+              seed=0, **TINY)
+  flat.update(overrides)
+  return configure.validate(make_config(**flat), LOCAL)
+
+
+def trained(cfg, steps=STEPS):
+  """(initial variables, final variables, metrics of the last call)."""
+  names = devices.configure(cfg.num_devices, "cpu")
+  keras.utils.set_random_seed(cfg.seed)
+  trainer = build_trainer(cfg, names, data.load(cfg), LOCAL)
+  try:
+    start = [np.asarray(v) for v in trainer.model.trainable_variables]
+    metrics = trainer.train(steps)
+    end = [np.asarray(v) for v in trainer.model.trainable_variables]
+    return start, end, metrics
+  finally:
+    trainer.close()
+
+
+@pytest.fixture(scope="module")
+def adam_sync(corpus, workdir):
+  start, end, _ = trained(config(corpus, workdir, "sync_adam"))
+  assert max_diff(end, start) > 1e-2  # Adam moved the weights.
+  return end
+
+
+@pytest.fixture(scope="module")
+def sgd_sync(corpus, workdir):
+  start, end, _ = trained(config(corpus, workdir, "sync_sgd",
+                                 optimizer="sgd", learning_rate=0.5))
+  assert max_diff(end, start) > 1e-3
+  return end
+
+
+# K=2: the model's own split, embed+block_0 | block_1+final_norm+head. K=4
+# cuts the 5 layers explicitly: embed | block_0 | block_1 | final_norm+head.
+@pytest.mark.parametrize("stages,schedule,split", [
+    (2, "gpipe", {}),
+    (4, "1f1b", dict(stage_split="explicit", split_points="1,2,3"))])
+def test_pipeline_equals_single_device_sync(corpus, workdir, adam_sync,
+                                            stages, schedule, split):
+  cfg = config(corpus, workdir, f"pipe{stages}", mode="pipeline",
+               num_devices=stages, num_stages=stages, num_microbatches=2,
+               pipeline_schedule=schedule, pipeline_timing="never", **split)
+  _, end, metrics = trained(cfg)
+  assert max_diff(adam_sync, end) <= TOLERANCE
+  assert metrics["train/skipped_steps"] == 0
+
+
+def test_hybrid_two_pipelines_of_two_stages_train(corpus, workdir, adam_sync):
+  cfg = config(corpus, workdir, "hybrid", mode="pipeline", num_devices=4,
+               num_stages=2, num_microbatches=2, pipeline_timing="never")
+  _, end, metrics = trained(cfg)
+  assert math.isfinite(metrics["train/loss"])
+  # Two replicas of two stages sum the same gradients as one device.
+  assert max_diff(adam_sync, end) <= TOLERANCE
+
+
+def test_async_one_worker_equals_sync_sgd(corpus, workdir, sgd_sync):
+  cfg = config(corpus, workdir, "async", mode="async", async_workers=1,
+               optimizer="sgd", learning_rate=0.5)
+  _, end, _ = trained(cfg)
+  assert max_diff(sgd_sync, end) <= TOLERANCE
+
+
+def test_local_sgd_h1_average_lr1_equals_sync(corpus, workdir, sgd_sync):
+  cfg = config(corpus, workdir, "local", mode="local_sgd", num_devices=2,
+               sync_every=1, optimizer="sgd", learning_rate=0.5)
+  _, end, _ = trained(cfg)
+  assert max_diff(sgd_sync, end) <= TOLERANCE
+
+
+def test_grad_accumulation_equals_the_doubled_batch(corpus, workdir,
+                                                    adam_sync):
+  # Two accumulated batches of 8 make one update of 16 examples.
+  _, accumulated, _ = trained(config(corpus, workdir, "accum",
+                                     global_batch_size=8,
+                                     grad_accum_steps=2))
+  assert max_diff(adam_sync, accumulated) <= TOLERANCE
+
+
+@pytest.mark.parametrize("precision", ["mixed_bfloat16", "mixed_float16"])
+def test_mixed_precision_trains(corpus, workdir, precision):
+  cfg = config(corpus, workdir, precision, precision=precision,
+               steps_per_loop=8)
+  names = devices.configure(cfg.num_devices, "cpu")
+  keras.utils.set_random_seed(cfg.seed)
+  trainer = build_trainer(cfg, names, data.load(cfg), LOCAL)
+  try:
+    first = trainer.train(1)
+    last = trainer.train(8)
+  finally:
+    trainer.close()
+  assert math.isfinite(first["train/loss"]) and math.isfinite(
+      last["train/loss"])
+  # From about ln 256 = 5.5 nats; byte frequencies alone are worth more.
+  assert last["train/loss"] < first["train/loss"] - 0.5, (first, last)
