@@ -46,6 +46,7 @@ class SingleDeviceTrainer(Trainer):
   precisions = precision_lib.PRECISIONS
   grad_accumulation = True
   skips_nonfinite = True
+  checks_max_loss = True
 
   @classmethod
   def validate(cls, config, cluster):
@@ -102,7 +103,8 @@ class SingleDeviceTrainer(Trainer):
     means, bad_step, _ = step_lib.run_steps(
         self._step_fn, iterator, num_steps, self.step,
         keys=self.task.metric_names + ("grad_norm",),
-        nonfinite=self.config.nonfinite, loss_scale=self.loss_scale)
+        nonfinite=self.config.nonfinite, loss_scale=self.loss_scale,
+        max_loss=self.config.max_loss)
     return means, bad_step
 
   def train(self, num_steps: int) -> Dict[str, float]:

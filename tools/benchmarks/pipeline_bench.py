@@ -12,13 +12,12 @@ CPU user would otherwise run. Pipelines run `deep_mlp` at global batch 1024
 inter-op threads), every schedule and M in {4, 8, 16}, and 1F1B at M=1 (the
 `speedup_vs_m1` base); a wider MLP compares the schedules at K=2, M=8.
 
-Each thread setting is a worker process (pools are fixed when TensorFlow
-starts); the workers take turns round by round, idle while another
-measures, and each variant reports its median and min-max spread. A round
-times `--steps` untimed steps, then one timed step (`--pipeline_timing=log`)
-gives the measured bubble. Memory is the peak of the BFC CPU allocator,
-which the logical devices share, above what was allocated before. The
-prediction is the trainer's own, from the layer costs it measured at start.
+Each thread setting is a worker process; the workers take turns round by
+round (each idle while another measures); each variant reports its median
+and min-max spread. A round times `--steps` untimed steps, then one timed
+step (`--pipeline_timing=log`) gives the bubble and action durations.
+Memory: the peak of the BFC CPU allocator (shared by the logical devices).
+The prediction is the trainer's own, from the costs it measured at start.
 """
 
 import argparse
@@ -59,16 +58,14 @@ def _workers(quick: bool) -> List[Dict]:
   ms = (4,) if quick else (4, 8, 16)
   schedules = ("1f1b", "zb_h1") if quick else SCHEDULES
   deep = {"model": "deep_mlp", "batch": GLOBAL_BATCH}
-  sync = [dict(deep, k=0, m=1, schedule="sync")]
-  if not quick:
-    sync.append(dict(WIDE, k=0, m=1, schedule="sync"))
+  sync = [dict(deep, k=0, m=1, schedule="sync")] + (
+      [] if quick else [dict(WIDE, k=0, m=1, schedule="sync")])
   out = [{"devices": 1, "intra": 1, "inter": 1, "variants": sync},
          {"devices": 1, "intra": 2, "inter": 1, "variants": sync[:1],
           "label": "sync, 2 cores"}]
   for k in (2,) if quick else (2, 4):
-    variants = [dict(deep, k=k, m=1, schedule="1f1b")]
-    variants += [dict(deep, k=k, m=m, schedule=s) for s in schedules
-                 for m in ms]
+    variants = [dict(deep, k=k, m=1, schedule="1f1b")] + [
+        dict(deep, k=k, m=m, schedule=s) for s in schedules for m in ms]
     if k == 2 and not quick:
       variants += [dict(WIDE, k=k, schedule=s) for s in SCHEDULES]
     out.append({"devices": k, "intra": 1, "inter": k, "variants": variants})
@@ -115,19 +112,19 @@ def _worker(spec: Dict) -> None:
       t.train(spec["steps"])
       seconds = time.perf_counter() - t0
       peak = tf.config.experimental.get_memory_info("CPU:0")["peak"] - base
-      bubble = None
+      row = {"s": seconds / spec["steps"], "mb": peak / 2**20,
+             "bubble": None}
       if hasattr(t, "plan"):
         t.train(1)  # Lands on a log step: the one timed step.
-        bubble = t.report().scalars["pipeline/bubble_measured"]
-      rows.append({"s": seconds / spec["steps"], "mb": peak / 2**20,
-                   "bubble": bubble})
+        row.update(bubble=t.report().scalars["pipeline/bubble_measured"],
+                   durations=timeline.median_durations(t.timeline_bars()))
+      rows.append(row)
     say(rows)
   say([hasattr(t, "plan") and {
       "name": t.schedule_name, "v": t.schedule.virtual_stages,
       "step_s": t.plan.prediction.step_time,
       "bubble": t.plan.prediction.bubble,
       "peak_mb": t.plan.prediction.peak_mb,
-      "durations": timeline.median_durations(t.timeline_bars()),
       "bars": [(d, str(a), a.kind, s, e) for d, a, s, e in t.timeline_bars()]}
        for t in trainers])
 
@@ -145,7 +142,7 @@ class _Worker:
         text=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
                         "TF_CPU_ALLOCATOR_USE_BFC": "true"})
 
-  def ask(self, command):
+  def ask(self, command):  # The worker's next line, after `command`.
     if command:
       self.proc.stdin.write(command + "\n")
       self.proc.stdin.flush()
@@ -207,9 +204,12 @@ def _row(spec, variant, runs, info) -> Dict:
          "bubble_measured": statistics.median(bubbles) if bubbles else None,
          "ideal_speedup": m * k / (m + k - 1) if k else None}
   if info:
+    durations = {d: {k: statistics.median(r["durations"][d][k] for r in runs)
+                     for k in kinds}  # Medians over the rounds' timed steps.
+                 for d, kinds in runs[0]["durations"].items()}
     row.update(step_s_predicted=info["step_s"], bubble_predicted=info[
-        "bubble"], predicted_peak_mb=info["peak_mb"],
-               durations=info["durations"], bars=info["bars"])
+        "bubble"], predicted_peak_mb=info["peak_mb"], durations=durations,
+               bars=info["bars"])
   return row
 
 

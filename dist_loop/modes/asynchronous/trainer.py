@@ -41,6 +41,7 @@ class AsyncTrainer(Trainer, Reporting):
 
   Options = AsyncOptions
   precisions = precision_lib.PRECISIONS
+  checks_max_loss = True
 
   # -- before TensorFlow starts --
 
@@ -85,7 +86,8 @@ class AsyncTrainer(Trainer, Reporting):
         max_staleness=options.max_staleness,
         staleness_lr=policies.STALENESS_LR.get(options.staleness_lr),
         compensation=policies.COMPENSATIONS.get(options.async_compensation),
-        dc_lambda=options.dc_lambda, loss_scale=self.loss_scale)
+        dc_lambda=options.dc_lambda, loss_scale=self.loss_scale,
+        max_loss=config.max_loss)
     self.workers = self._make_workers(config, devices, dataset)
     self.straggler = straggler_lib.parse(options.straggler)
     self._session: Optional[Session] = None

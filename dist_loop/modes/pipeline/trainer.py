@@ -56,6 +56,7 @@ class PipelineTrainer(Trainer, Reporting):
   # bfloat16 needs no scaling; float16 shares one loss scale (see above).
   precisions = precision_lib.PRECISIONS
   skips_nonfinite = True  # The step core's loop drops the step.
+  checks_max_loss = True
   # How layer costs are measured at start: "traced" (as the executor runs
   # them) or "eager" (faster to start, rougher; tests use it).
   cost_measurement = "traced"
@@ -196,7 +197,8 @@ class PipelineTrainer(Trainer, Reporting):
       return step_core.run_steps(
           lambda batch: self._step_fn(batch, timed), iterator, num_steps,
           self.step, keys=keys, nonfinite=self.config.nonfinite,
-          loss_scale=self.loss_scale, carry=carry)
+          loss_scale=self.loss_scale, carry=carry,
+          max_loss=self.config.max_loss)
 
     return tf.function(loop)
 

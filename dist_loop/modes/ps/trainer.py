@@ -67,6 +67,7 @@ class PSTrainer(Trainer, Reporting):
   Options = PSOptions
   multi_process = True
   precisions = precision_lib.PRECISIONS  # float16: see update.py.
+  checks_max_loss = True
 
   # -- before TensorFlow starts --
 
@@ -136,7 +137,8 @@ class PSTrainer(Trainer, Reporting):
     self._update = update_lib.LockedUpdate(
         optimizer=self.optimizer, variables=self.model.trainable_variables,
         step=self.step, stats=self._stats, layout=self.layout,
-        max_staleness=self.options.max_staleness, loss_scale=self.loss_scale)
+        max_staleness=self.options.max_staleness, loss_scale=self.loss_scale,
+        max_loss=config.max_loss)
     self._loop = tf.function(self._loop_fn)
     self._iterator = None
     self._start_step = 0  # Where the workers' input starts (set at resume).

@@ -64,6 +64,7 @@ class SyncTrainer(Trainer, Reporting):
   precisions = precision_lib.PRECISIONS
   grad_accumulation = True
   skips_nonfinite = True
+  checks_max_loss = True
 
   @classmethod
   def num_replicas(cls, config, cluster):
@@ -210,7 +211,8 @@ class SyncTrainer(Trainer, Reporting):
     means, bad_step, _ = step_lib.run_steps(
         self._step_fn, iterator, num_steps, self.step,
         keys=self.task.metric_names + ("grad_norm",),
-        nonfinite=self.config.nonfinite, loss_scale=self.loss_scale)
+        nonfinite=self.config.nonfinite, loss_scale=self.loss_scale,
+        max_loss=self.config.max_loss)
     return means, bad_step
 
   def train(self, num_steps: int) -> Dict[str, float]:
