@@ -271,7 +271,7 @@ def op_determinism():
 def test_deterministic_runs_untimed_and_says_so(tmp_path, op_determinism,
                                                  caplog, sync_reference):
   del op_determinism
-  with caplog.at_level(logging.INFO):
+  with caplog.at_level(logging.INFO, logger="absl"):
     trainer = build(config(tmp_path, deterministic=True, **dict(
         pipeline("zbv", 2, 4), pipeline_timing="log")))
   assert trainer.timing == "never"
@@ -297,7 +297,7 @@ def test_deterministic_runs_untimed_and_says_so(tmp_path, op_determinism,
 def test_auto_picks_the_fastest_predicted_schedule_that_fits(
     tmp_path, caplog, monkeypatch):
   monkeypatch.setattr(PipelineTrainer, "cost_measurement", "traced")
-  with caplog.at_level(logging.INFO):
+  with caplog.at_level(logging.INFO, logger="absl"):
     trainer = build(config(tmp_path, **pipeline("auto", 2, 4)))
   table = [r.getMessage() for r in caplog.records
            if "predicted from the measured costs" in r.getMessage()]
