@@ -49,7 +49,6 @@ from typing import Dict
 import tensorflow as tf
 
 from dist_loop import compression, models, optim
-from dist_loop import devices as devices_lib
 from dist_loop import step as step_lib
 from dist_loop.config import check_divisible
 from dist_loop.data import train_dataset_fn
@@ -59,6 +58,7 @@ from dist_loop import replicas
 from dist_loop.modes.local_sgd import outer
 from dist_loop.modes.local_sgd.options import LocalSGDOptions
 from dist_loop.modes.sync import SyncTrainer, make_strategy
+from dist_loop.modes.sync.trainer import check_workers_only
 
 _NO_BAD_STEP = tf.int64.max
 
@@ -79,15 +79,7 @@ class LocalSGDTrainer(Trainer, Reporting):
 
   @classmethod
   def validate(cls, config, cluster):
-    if cluster.num_ps:
-      raise UserError("TF_CONFIG has parameter servers ('ps' tasks); use a "
-                      "cluster of workers only for --mode=local_sgd")
-    if (cluster.num_trainers > 1 and config.num_devices > 1
-        and devices_lib.resolve_device_type(config.device_type) == "cpu"):
-      raise UserError(
-          f"--num_devices={config.num_devices}: MultiWorkerMirroredStrategy "
-          "runs one replica per worker on CPU; use --num_devices=1 and more "
-          "workers")
+    check_workers_only(config, cluster)
     check_divisible(config.global_batch_size,
                     cls.num_replicas(config, cluster))
     _check_options(config.mode_options, config.train_steps)

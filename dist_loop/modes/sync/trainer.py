@@ -55,6 +55,21 @@ def make_strategy(devices, collective_timeout_s: float = 120.0,
   return strategy_lib.mirrored(devices)
 
 
+def check_workers_only(config, cluster) -> None:
+  """The cluster rules of a mode that runs MultiWorkerMirroredStrategy
+  across processes (sync, local_sgd). Raises UserError."""
+  if cluster.num_ps:
+    raise UserError("TF_CONFIG has parameter servers ('ps' tasks); use "
+                    f"--mode=ps, or a cluster of workers only for "
+                    f"--mode={config.mode}")
+  if (cluster.num_trainers > 1 and config.num_devices > 1
+      and devices_lib.resolve_device_type(config.device_type) == "cpu"):
+    raise UserError(
+        f"--num_devices={config.num_devices}: MultiWorkerMirroredStrategy "
+        "runs one replica per worker on CPU; use --num_devices=1 and more "
+        "workers")
+
+
 @MODES.register("sync")
 class SyncTrainer(Trainer, Reporting):
   """`strategy.run(replica_step)` inside a `tf.function` loop."""
@@ -73,15 +88,7 @@ class SyncTrainer(Trainer, Reporting):
 
   @classmethod
   def validate(cls, config, cluster):
-    if cluster.num_ps:
-      raise UserError("TF_CONFIG has parameter servers ('ps' tasks); use "
-                      "--mode=ps, or a cluster of workers only for --mode=sync")
-    if (cluster.num_trainers > 1 and config.num_devices > 1
-        and devices_lib.resolve_device_type(config.device_type) == "cpu"):
-      raise UserError(
-          f"--num_devices={config.num_devices}: MultiWorkerMirroredStrategy "
-          "runs one replica per worker on CPU; use --num_devices=1 and more "
-          "workers")
+    check_workers_only(config, cluster)
     super().validate(config, cluster)
     straggler_lib.check(config.mode_options.straggler,
                         cls.num_replicas(config, cluster), "replicas")
