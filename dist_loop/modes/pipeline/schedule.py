@@ -298,4 +298,3 @@ def format_schedule(schedule: Schedule) -> str:
     lines.append(f"device {d} (chunks {','.join(map(str, chunks))}): "
                  + " ".join(schedule.label(a) for a in actions))
   return "\n".join(lines)
-
