@@ -44,6 +44,17 @@ def cross_replica_call(fn, *args, **kwargs):
       fn, args=args, kwargs=kwargs)
 
 
+def on_first_replica(strategy, cache, fn, *args):
+  """`fn(*args)` run by `strategy.run` (where mirrored variables can be
+  differentiated), the first replica's result returned. `cache` maps each
+  `fn` to its `tf.function`, so a repeated call does not retrace."""
+  if fn not in cache:
+    cache[fn] = tf.function(lambda *a: strategy.run(fn, args=a))
+  out = cache[fn](*args)
+  return tf.nest.map_structure(
+      lambda v: strategy.experimental_local_results(v)[0], out)
+
+
 # What a collective or a remote op raises when another task of the cluster
 # (a peer worker, a parameter server) died or stopped answering.
 LOST_TASK_ERRORS = (tf.errors.UnavailableError,

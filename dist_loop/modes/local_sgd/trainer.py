@@ -55,6 +55,7 @@ from dist_loop.data import train_dataset_fn
 from dist_loop.errors import NonFiniteError, UserError
 from dist_loop.modes.base import MODES, Report, Reporting, Trainer
 from dist_loop import replicas
+from dist_loop import strategy as strategy_lib
 from dist_loop.modes.local_sgd import outer
 from dist_loop.modes.local_sgd.options import LocalSGDOptions
 from dist_loop.modes.sync import SyncTrainer, make_strategy
@@ -146,12 +147,8 @@ class LocalSGDTrainer(Trainer, Reporting):
     return self.strategy.scope()
 
   def on_master(self, fn, *args):
-    if fn not in self._on_master_fns:  # One tf.function per fn: no retrace.
-      self._on_master_fns[fn] = tf.function(
-          lambda *a: self.strategy.run(fn, args=a))
-    out = self._on_master_fns[fn](*args)
-    return tf.nest.map_structure(
-        lambda v: self.strategy.experimental_local_results(v)[0], out)
+    return strategy_lib.on_first_replica(self.strategy, self._on_master_fns,
+                                         fn, *args)
 
   # -- the replica's inner step and the loop --
 

@@ -163,12 +163,8 @@ class SyncTrainer(Trainer, Reporting):
     return self.strategy.scope()
 
   def on_master(self, fn, *args):
-    if fn not in self._on_master_fns:  # One tf.function per fn: no retrace.
-      self._on_master_fns[fn] = tf.function(
-          lambda *a: self.strategy.run(fn, args=a))
-    out = self._on_master_fns[fn](*args)
-    return tf.nest.map_structure(
-        lambda v: self.strategy.experimental_local_results(v)[0], out)
+    return strategy_lib.on_first_replica(self.strategy, self._on_master_fns,
+                                         fn, *args)
 
   # -- the replica step: a function of (batch) on the replica's variables --
 
