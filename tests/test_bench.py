@@ -5,6 +5,7 @@ checks that the in-process suites run end to end on today's APIs and that
 every number they derive agrees with the numbers it is derived from.
 """
 
+import itertools
 import json
 import math
 import os
@@ -52,6 +53,16 @@ def test_variants_are_timed_interleaved_and_reported_by_median():
       clock=lambda: next(clock))
   assert calls == ["a", "b", "a", "b", "a", "b"]
   assert medians == {"a": 1, "b": 1}
+
+
+def test_interleaved_times_keep_every_round_for_the_spread():
+  clock = itertools.count()
+  times = common.interleaved_times({"a": lambda: next(clock),
+                                    "b": lambda: None}, rounds=2,
+                                   clock=lambda: next(clock))
+  assert times == {"a": [2, 2], "b": [1, 1]}
+  assert common.spread([0.5, 0.25, 2.0]) == "0.25-2"
+  assert common.spread([1.234, 5.678], "{:.1f}") == "1.2-5.7"
 
 
 def test_markdown_table_formats_cells():
@@ -116,3 +127,36 @@ def test_quick_suites_write_consistent_json(tmp_path):
   for r in rows:
     assert _positive(r["step ms"])
     assert r["vs 1 device"] == pytest.approx(r["step ms"] / rows[0]["step ms"])
+
+
+def test_pipeline_targets_are_judged_from_the_rows():
+  from tools.benchmarks import pipeline_bench  # pylint: disable=g-import-not-at-top
+
+  def row(schedule, m, step, predicted, **extra):
+    return {"schedule": schedule, "model": "deep_mlp", "stages": 2,
+            "microbatches": m, "step_s_measured": step,
+            "step_s_predicted": predicted, "ideal_speedup": 2 * m / (m + 1),
+            "speedup_vs_one_worker": 0.1 / step, "bubble_measured": 0.05,
+            **extra}
+
+  b = {"0": {"F": 1.0, "B": 2.0}, "1": {"F": 1.0, "B": 2.0}}
+  iw = {"0": {"F": 1.0, "I": 1.0, "W": 1.15}, "1": {"F": 1, "I": 1, "W": 1}}
+  rows = [row("1f1b", 8, 0.06, 0.06, durations=b),
+          row("1f1b", 16, 0.08, 0.06, durations=b),
+          row("zb_h1", 8, 0.05, 0.05, durations=iw,
+              crowded=[(1.0, 1.0, 1.0, 2.0), (1.0, 1.18, 1.0, 2.0)]),
+          row("auto: zb_h1", 8, 0.0515, 0.05)]
+  out = pipeline_bench.targets(rows)
+  # 0.1/0.06 = 1.67 of an ideal 1.78: 93.75%; 0.1/0.08 = 1.25 of 1.88: 66%.
+  assert out["1f1b deep_mlp K=2 M=8: share of ideal >= 0.9"] == (0.938, True)
+  assert out["1f1b deep_mlp K=2 M=16: share of ideal >= 0.75"] == (0.664,
+                                                                    False)
+  assert out["zb_h1 deep_mlp K=2 M=8: bubble <= 0.072"] == (0.05, True)
+  assert out["zb_h1 deep_mlp K=2 M=8: I+W within 10% of 1F1B's B, "
+             "worst stage"] == (1.075, True)
+  assert out["zb_h1 deep_mlp K=2 M=8: crowded I+W within 10% of B, "
+             "worst chunk"] == (1.09, True)
+  assert out["auto: zb_h1 deep_mlp K=2 M=8: within 5% of the best fixed "
+             "schedule"] == ("+3.0%", True)
+  assert out["predicted step within 15% of measured, worst"] == (
+      "1f1b deep_mlp K=2 M=16: -25.0%", False)

@@ -221,6 +221,53 @@ def test_the_simulator_follows_measured_costs_and_counts_memory():
   assert moved.step_time > prediction.step_time
 
 
+def _shared(schedule, cores, **overrides):
+  costs = simulator.ChunkCosts.unit(schedule.num_chunks)
+  return simulator.simulate(schedule, simulator.ChunkCosts(
+      **{**costs.__dict__, "cores": cores, **overrides}))
+
+
+@pytest.mark.parametrize("name,k,m", [("1f1b", 4, 8), ("zb_h1", 2, 4),
+                                      ("zbv", 2, 4)])
+def test_shared_cores_slow_only_what_runs_at_once(name, k, m):
+  schedule = sl.make(name, k, m)
+  alone = simulator.simulate(schedule)
+  # One core per device: nothing is shared, to the last bit.
+  assert _shared(schedule, float(k)).bars == alone.bars
+  # One core for all: the devices take turns, so the step is the sum of
+  # all the work, F = 1 and B = 2 per chunk and micro-batch.
+  one = _shared(schedule, 1.0)
+  assert one.step_time == pytest.approx(3.0 * m * schedule.num_chunks)
+  # Fewer cores than devices: slower than alone, faster than one core.
+  if k > 2:
+    two = _shared(schedule, 2.0)
+    assert alone.step_time < two.step_time < one.step_time
+  for prediction in (one, alone):  # Every device still keeps its order.
+    for d, row in enumerate(schedule.devices):
+      assert [a for dev, a, _, _ in sorted(prediction.bars,
+                                           key=lambda b: b[2])
+              if dev == d] == list(row)
+
+
+def test_crowded_actions_take_their_crowded_time():
+  # Two devices, GPipe, one micro-batch each way: F0 on device 0, then F0
+  # on device 1, B0 on 1, B0 on 0: never two at once, so all alone.
+  schedule = sl.make("gpipe", 2, 1)
+  # (F, I, W, B): twice as slow while another action runs.
+  crowded = ((2.0, 1.0, 1.0, 4.0),) * 2
+  alone = _shared(schedule, 2.0, crowded=crowded)
+  assert alone.step_time == pytest.approx(2 * (1 + 2))
+  # Two micro-batches: F1 on device 0 runs beside F0 on device 1 (both at
+  # half speed), then the backward overlaps likewise.
+  both = _shared(sl.make("gpipe", 2, 2), 2.0, crowded=crowded)
+  plain = simulator.simulate(sl.make("gpipe", 2, 2))
+  assert both.step_time > plain.step_time
+  # Device 0 runs F0 F1 B1 B0, device 1 F0' F1' B1' B0': F0 alone (1),
+  # F1 | F0' crowded (2), F1' alone (1), B1' alone (2), B1 | B0' crowded
+  # (4), B0 alone (2).
+  assert both.step_time == pytest.approx(1 + 2 + 1 + 2 + 4 + 2)
+
+
 def test_timeline_draws_input_and_weight_gradients_and_chunks():
   schedule = sl.make("zbv", 2, 4)
   bars = timeline.bars_from_simulation(schedule)

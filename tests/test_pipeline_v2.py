@@ -9,6 +9,8 @@ only to the steps that are logged, and --deterministic must run.
 
 import collections
 import logging
+import math
+import os
 
 import keras
 import numpy as np
@@ -298,7 +300,9 @@ def test_auto_picks_the_fastest_predicted_schedule_that_fits(
     tmp_path, caplog, monkeypatch):
   monkeypatch.setattr(PipelineTrainer, "cost_measurement", "traced")
   with caplog.at_level(logging.INFO, logger="absl"):
-    trainer = build(config(tmp_path, **pipeline("auto", 2, 4)))
+    # One core per op, two at once: the two devices each get a core.
+    trainer = build(config(tmp_path, intra_op_threads=1, inter_op_threads=2,
+                           **pipeline("auto", 2, 4)))
   table = [r.getMessage() for r in caplog.records
            if "predicted from the measured costs" in r.getMessage()]
   assert len(table) == 1
@@ -309,10 +313,20 @@ def test_auto_picks_the_fastest_predicted_schedule_that_fits(
   assert f"* {trainer.schedule_name} " in table[0]
   # No other candidate is predicted faster.
   from dist_loop.modes.pipeline import planner  # pylint: disable=g-import-not-at-top
-  plans, _ = planner.make_plans(
-      trainer.options, trainer.model.layers, trainer.layer_costs,
-      lambda c: None)
+  plans = trainer.plans
+  assert {"gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv"} <= {
+      p.name for p in plans}
   assert chosen.step_time == min(p.prediction.step_time for p in plans)
+  # Each candidate's chunks were measured as chunks, alone and crowded (on
+  # both logical CPU devices at once: they share the cores).
+  for p in plans:
+    assert p.costs.cores == min(2.0, len(os.sched_getaffinity(0)))
+    assert len(p.costs.crowded) == p.schedule.num_chunks
+    assert all(b > 0 for b in p.costs.backward)
+    assert all(t > 0 for row in p.costs.crowded for t in row)
+    summed = costs.for_chunks(trainer.layer_costs,
+                              [s.start for s in p.stages] + [p.stages[-1].end])
+    assert p.costs.forward != summed.forward
   # A budget below the fastest one's memory but above 1F1B's excludes it.
   by_name = {p.name: p for p in plans}
   budget = by_name["1f1b"].prediction.peak_mb
@@ -341,7 +355,14 @@ def test_traced_costs_time_each_layer_as_the_executor_runs_it():
   measured = costs.measure_traced(layers, sizes, x, y, task, "/CPU:0")
   for c in measured:
     assert c.forward > 0 and c.input_grad > 0 and c.weight_grad > 0
-    assert c.backward == c.input_grad + c.weight_grad
+    assert c.backward == c.input_grad + c.weight_grad  # Balance only.
+  # A chunk's B is timed as one action, and crowded beside its copies on
+  # a second device.
+  alone, crowded = costs.measure_chunks([layers[:1], layers[1:]], x, y, task,
+                                        ["/CPU:0", "/CPU:1"])
+  assert len(alone) == len(crowded) == 2
+  for f, i, w, b in alone + crowded:
+    assert min(f, i, w, b) > 0
   assert measured[0].output_bytes == sizes[0].output_bytes
   chunks = costs.for_chunks(measured, [0, 1, 3], recompute="except_last")
   assert chunks.forward[1] == pytest.approx(measured[1].forward
@@ -350,6 +371,20 @@ def test_traced_costs_time_each_layer_as_the_executor_runs_it():
   assert chunks.input_grad[0] == pytest.approx(measured[0].input_grad
                                                + measured[0].forward)
   assert chunks.recomputes == (True, False)
+
+
+def test_shared_cores_of_logical_cpus_and_of_gpus(monkeypatch):
+  monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3},
+                      raising=False)
+  cpus = [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in (0, 1)]
+  # Actions that run at once without sharing a core.
+  assert costs.shared_cores(cpus, 1, 0) == 4.0
+  assert costs.shared_cores(cpus, 1, 2) == 2.0  # 2 ops at once.
+  assert costs.shared_cores(cpus, 0, 0) == 1.0  # All cores per op.
+  assert costs.shared_cores(cpus, 2, 0) == 2.0
+  assert costs.shared_cores(cpus, 1, 8, replicas=2) == 2.0
+  assert costs.shared_cores(["/device:GPU:0", "/device:GPU:1"], 1, 2) == (
+      math.inf)
 
 
 @pytest.mark.parametrize("overrides,message", [

@@ -45,18 +45,31 @@ def trainer(devices: Sequence[str], flat: Mapping[str, object],
   return run, build_trainer(run, list(devices), dataset, LOCAL)
 
 
-def interleaved_medians(variants: Dict[str, Callable[[], None]],
-                        rounds: int,
-                        clock: Callable[[], float] = time.perf_counter
-                        ) -> Dict[str, float]:
-  """Median seconds of each callable, timed in interleaved rounds."""
+def interleaved_times(variants: Dict[str, Callable[[], None]], rounds: int,
+                      clock: Callable[[], float] = time.perf_counter
+                      ) -> Dict[str, List[float]]:
+  """Seconds of each callable in every round, timed in interleaved rounds."""
   times = {name: [] for name in variants}
   for _ in range(rounds):
     for name, fn in variants.items():
       t0 = clock()
       fn()
       times[name].append(clock() - t0)
-  return {name: statistics.median(ts) for name, ts in times.items()}
+  return times
+
+
+def interleaved_medians(variants: Dict[str, Callable[[], None]],
+                        rounds: int,
+                        clock: Callable[[], float] = time.perf_counter
+                        ) -> Dict[str, float]:
+  """Median seconds of each callable, timed in interleaved rounds."""
+  return {name: statistics.median(ts) for name, ts in
+          interleaved_times(variants, rounds, clock).items()}
+
+
+def spread(values: Sequence[float], fmt: str = "{:.3g}") -> str:
+  """'min-max' of `values`, for a median's column beside it."""
+  return f"{fmt.format(min(values))}-{fmt.format(max(values))}"
 
 
 def markdown_table(rows: List[Dict], columns: Sequence[str]) -> str:

@@ -25,6 +25,7 @@ so they show up as lost efficiency, as they should.
 """
 
 import os
+import statistics
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -36,7 +37,7 @@ import tensorflow as tf  # pylint: disable=g-import-not-at-top
 from dist_loop import devices  # pylint: disable=g-import-not-at-top
 from dist_loop.data import DATASETS, Dataset  # pylint: disable=g-import-not-at-top
 from dist_loop.models import MODELS  # pylint: disable=g-import-not-at-top
-from tools.benchmarks.common import interleaved_medians, markdown_table, trainer  # pylint: disable=g-import-not-at-top
+from tools.benchmarks.common import interleaved_times, markdown_table, spread, trainer  # pylint: disable=g-import-not-at-top
 
 WIDTH = 2048
 DEPTH = 4
@@ -140,16 +141,24 @@ def run(quick: bool = False) -> dict:
 
   variants = {"matmul": lambda: float(matmuls())}
   variants.update({name: looped(m[0]) for name, m in models.items()})
-  seconds = interleaved_medians(variants, rounds)
-  peak = chain * 2 * side ** 3 / seconds["matmul"]
+  times = interleaved_times(variants, rounds)
+  # Per round: the round's peak, and each model against it; then the
+  # medians over the rounds and their min-max spread.
+  peaks = [chain * 2 * side ** 3 / s for s in times["matmul"]]
   rows = []
   for name, (sync, flops, label) in models.items():
     sync.close()
-    achieved = loops * steps_per_loop * flops / seconds[name]
-    rows.append({"matmul peak GFLOP/s": peak / 1e9,
-                 "train GFLOP/s": achieved / 1e9, "MFU": achieved / peak,
-                 "model": label})
-  columns = ["model", "matmul peak GFLOP/s", "train GFLOP/s", "MFU"]
+    achieved = [loops * steps_per_loop * flops / s for s in times[name]]
+    mfu = [a / p for a, p in zip(achieved, peaks)]
+    rows.append({"model": label,
+                 "matmul peak GFLOP/s": statistics.median(peaks) / 1e9,
+                 "peak spread": spread([p / 1e9 for p in peaks]),
+                 "train GFLOP/s": statistics.median(achieved) / 1e9,
+                 "train spread": spread([a / 1e9 for a in achieved]),
+                 "MFU": statistics.median(mfu), "MFU spread": spread(mfu),
+                 "rounds": rounds})
+  columns = ["model", "matmul peak GFLOP/s", "peak spread", "train GFLOP/s",
+             "train spread", "MFU", "MFU spread"]
   return {"rows": rows, "table": markdown_table(rows, columns)}
 
 

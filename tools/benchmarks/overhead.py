@@ -20,6 +20,7 @@ All three are timed side by side, interleaved, in one process.
 """
 
 import os
+import statistics
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -142,18 +143,26 @@ def run(quick: bool = False) -> dict:
     variants = {name: build(names[:n], flags, split, loops) for name, build in
                 (("dist_loop", _dist_loop), ("keras_fit", _keras_fit),
                  ("bare", _bare))}
-    seconds = common.interleaved_medians(variants, rounds)
-    rate = {k: examples / v for k, v in seconds.items()}
+    times = common.interleaved_times(variants, rounds)
+    rate = {k: examples / statistics.median(v) for k, v in times.items()}
+    # The ratios per round (both loops timed in the same round), then
+    # their median and min-max spread.
+    vs = {other: [b / a for a, b in zip(times["dist_loop"], times[other])]
+          for other in ("keras_fit", "bare")}
     rows.append({"model": model, "devices": n,
                  "steps_per_loop": STEPS_PER_LOOP,
                  "fit steps_per_execution": fit_steps_per_execution(n),
                  "dist_loop ex/s": rate["dist_loop"],
                  "keras_fit ex/s": rate["keras_fit"],
                  "bare ex/s": rate["bare"],
-                 "vs fit": rate["dist_loop"] / rate["keras_fit"],
-                 "vs bare": rate["dist_loop"] / rate["bare"]})
+                 "vs fit": statistics.median(vs["keras_fit"]),
+                 "vs fit spread": common.spread(vs["keras_fit"]),
+                 "vs bare": statistics.median(vs["bare"]),
+                 "vs bare spread": common.spread(vs["bare"]),
+                 "rounds": rounds})
   columns = ["model", "devices", "fit steps_per_execution", "dist_loop ex/s",
-             "keras_fit ex/s", "bare ex/s", "vs fit", "vs bare"]
+             "keras_fit ex/s", "bare ex/s", "vs fit", "vs fit spread",
+             "vs bare", "vs bare spread"]
   return {"rows": rows, "table": common.markdown_table(rows, columns)}
 
 

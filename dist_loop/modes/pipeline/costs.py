@@ -1,13 +1,22 @@
-"""What each layer costs, measured at start, and a chunk's costs from them.
+"""What each layer and chunk costs, measured at start, and the simulator's
+costs of a plan's chunks from them.
 
-`measure_traced` times each layer as the executor runs it: every layer is a
-chunk of a one-device schedule (F of each layer, then I and W of each in
-reverse) on one micro-batch of real data, traced and run a few times with
-per-action timestamps; the median of each action is kept. Those are the
-ops, the op overhead and the thread pools of the run itself. Under op
-determinism timestamps are refused, and `measure_layers` times each layer
-eagerly instead (rough: eager dispatch adds time per op that a traced step
-does not pay, a lot for small micro-batches). A B is costed as its I + W.
+`measure_chunks` times chunks as the executor runs them: every chunk of a
+one-device schedule, on two micro-batches of real data (the first runs each
+chunk's F, then its I and W in reverse; the second F, then B in reverse),
+traced and run a few times with per-action timestamps; the median of each
+action is kept. Those are the ops, the per-action overhead and the thread
+pools of the run itself, and one action at a time: so a B may use a second
+core for its weight gradient while its input gradient runs, which is why
+B is measured and not taken as I + W. `measure_traced` does this with one
+layer per chunk and the first micro-batch only (B = I + W), to partition
+the model; the planner then measures each candidate's own chunks (a chunk
+of n layers pays one action's overhead, not n), alone and crowded
+(the same actions on several devices at once: beside other work an action
+has no core to spare and shares the memory). Under op determinism
+timestamps are refused, and `measure_layers` times each layer eagerly
+instead (rough: eager dispatch adds time per op that a traced step does
+not pay, a lot for small micro-batches).
 
 Sizes are counted at layer boundaries: a layer's backward needs its input
 and (for its activation's derivative) its output, so a chunk keeps
@@ -15,16 +24,21 @@ sum(input + output bytes) of its layers per micro-batch from F to the
 backward, and the same from I to W (the joins' inputs, and gradients the
 size of the outputs). Layers with large internal activations (attention)
 keep more than this estimate.
+
+`shared_cores` says how many actions run at once without sharing a core
+(logical CPU devices share the process's cores), for the simulator.
 """
 
 import dataclasses
+import math
+import os
 import statistics
 import time
-from typing import List, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from dist_loop.modes.pipeline.schedule import I, F, W, Schedule
+from dist_loop.modes.pipeline.schedule import B, I, F, W, Schedule
 from dist_loop.modes.pipeline.simulator import ChunkCosts
 
 
@@ -118,9 +132,71 @@ def measure(layers, dataset, microbatch: int, input_dtype: str, task,
                         device)
 
 
+# Per chunk: (F, I, W, B) seconds of one micro-batch.
+ChunkSeconds = Tuple[float, float, float, float]
+
+
+def measure_chunks(chunks: Sequence[Sequence[object]], x, y, task,
+                   devices: Sequence[str], recompute: str = "never",
+                   repeats: int = 5, backward: bool = True
+                   ) -> Tuple[List[ChunkSeconds], Optional[List[ChunkSeconds]]]:
+  """F, I, W and B seconds of each chunk, traced, one action at a time:
+  (alone, crowded).
+
+  Alone runs on `devices[0]` with the other devices idle; crowded runs the
+  same actions on every device of `devices` at once (None for one device).
+
+  Args:
+    chunks: the model's built layers, cut into consecutive chunks.
+    x, y: one micro-batch of the training data.
+    task: the run's task (the last chunk's loss).
+    devices: where to run.
+    recompute: one of `options.RECOMPUTE` (I and B then run F again).
+    repeats: timed runs (after one that traces).
+    backward: also time B (else B is taken as I + W: half the work).
+  """
+  alone = _time_chunks(chunks, x, y, task, devices[:1], recompute, repeats,
+                       backward)
+  crowded = (_time_chunks(chunks, x, y, task, devices, recompute, repeats,
+                          backward) if len(devices) > 1 else None)
+  return alone, crowded
+
+
+def _time_chunks(chunks, x, y, task, devices, recompute, repeats, backward):
+  """`measure_chunks` on `devices` at once: the medians over the runs and
+  the devices."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from dist_loop.modes.pipeline.executor import PipelineExecutor  # pylint: disable=g-import-not-at-top
+  n = len(chunks)
+  back = list(reversed(range(n)))
+  row = ([F(0, c) for c in range(n)]
+         + [a for c in back for a in (I(0, c), W(0, c))])
+  if backward:
+    row += [F(1, c) for c in range(n)] + [B(1, c) for c in back]
+  m = 2 if backward else 1
+  # Each device a replica of a one-device pipeline: the same actions.
+  executor = PipelineExecutor(
+      chunks, Schedule.of([row], [0] * n), [[d] for d in devices], m, task,
+      m * len(devices) * len(x), recompute)
+  step = tf.function(lambda x, y: executor.step(x, y, timed=True))
+  xs = tf.concat([x] * (m * len(devices)), 0)
+  ys = tf.concat([y] * (m * len(devices)), 0)
+  runs = []
+  for _ in range(repeats + 1):
+    out = step(xs, ys)
+    runs.extend((out["ends"] - out["starts"]).numpy()[:, 0])
+  seconds = np.median(runs[len(devices):], axis=0)  # Not the traced run.
+  at = {a: float(seconds[i]) for i, a in enumerate(row)}
+  return [(at[F(0, c)], at[I(0, c)], at[W(0, c)],
+           at[B(1, c)] if backward else at[I(0, c)] + at[W(0, c)])
+          for c in range(n)]
+
+
 def measure_traced(layers, layer_costs: Sequence[LayerCost], x, y, task,
                    device: str, repeats: int = 5) -> List[LayerCost]:
-  """`layer_costs` with the seconds of a traced run of each layer.
+  """`layer_costs` with the seconds of a traced run of each layer (each
+  layer a chunk of `measure_chunks`; B taken as I + W: these only balance
+  the chunks, which are then timed themselves).
 
   Args:
     layers: the model's built layers.
@@ -130,37 +206,66 @@ def measure_traced(layers, layer_costs: Sequence[LayerCost], x, y, task,
     device: where to run.
     repeats: timed runs (after one that traces).
   """
+  measured, _ = measure_chunks([[layer] for layer in layers], x, y, task,
+                               [device], repeats=repeats, backward=False)
+  return [dataclasses.replace(cost, forward=f, input_grad=i, weight_grad=w,
+                              backward=b)
+          for cost, (f, i, w, b) in zip(layer_costs, measured)]
+
+
+def chunk_measurer(layers, dataset, microbatch: int, task,
+                   devices: Sequence[str], recompute: str, cores: float
+                   ) -> Callable[[Sequence[int]], tuple]:
+  """bounds -> `measure_chunks` of layers [bounds[c], bounds[c+1]), with
+  each distinct cut measured once: crowded on as many of `devices` at once
+  as run without sharing a core (`cores`: `shared_cores`)."""
+  devices = devices[:int(min(cores, len(devices)))]
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from dist_loop.modes.pipeline.executor import PipelineExecutor  # pylint: disable=g-import-not-at-top
-  n = len(layers)
-  row = [F(0, c) for c in range(n)] + [
-      a for c in reversed(range(n)) for a in (I(0, c), W(0, c))]
-  executor = PipelineExecutor([[layer] for layer in layers],
-                              Schedule.of([row], [0] * n), [[device]], 1,
-                              task, len(x))
-  step = tf.function(lambda x, y: executor.step(x, y, timed=True))
-  runs = []
-  for _ in range(repeats + 1):
-    out = step(x, y)
-    runs.append((out["ends"] - out["starts"]).numpy()[0, 0])
-  seconds = np.median(runs[1:], axis=0)
-  forward = seconds[:n]
-  input_grad = [seconds[n + 2 * (n - 1 - c)] for c in range(n)]
-  weight_grad = [seconds[n + 2 * (n - 1 - c) + 1] for c in range(n)]
-  return [dataclasses.replace(
-      cost, forward=float(forward[c]), input_grad=float(input_grad[c]),
-      weight_grad=float(weight_grad[c]),
-      backward=float(input_grad[c] + weight_grad[c]))
-          for c, cost in enumerate(layer_costs)]
+  x = tf.constant(dataset.train_x[:microbatch])
+  y = tf.constant(dataset.train_y[:microbatch])
+  cache: Dict[Tuple[int, ...], tuple] = {}
+
+  def measure(bounds):
+    key = tuple(bounds)
+    if key not in cache:
+      cache[key] = measure_chunks(
+          [layers[a:b] for a, b in zip(key, key[1:])], x, y, task, devices,
+          recompute)
+    return cache[key]
+  return measure
+
+
+def shared_cores(devices: Sequence[str], intra_op_threads: int,
+                 inter_op_threads: int = 0, replicas: int = 1) -> float:
+  """How many actions of one pipeline run at once without sharing a core.
+
+  Logical CPU devices run on the process's cores, split among the R
+  data-parallel replicas; at most `inter_op_threads` ops run at once, each
+  on up to `intra_op_threads` cores (0: TensorFlow's default, all). Other
+  devices (GPUs) have their own: infinite.
+  """
+  if not all("CPU" in d.upper() for d in devices):
+    return math.inf
+  cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+           else os.cpu_count() or 1)
+  per_action = min(intra_op_threads or cores, cores)
+  usable = min(cores, (inter_op_threads or cores) * per_action)
+  return max(usable / max(replicas, 1) / per_action, 1.0)
 
 
 def for_chunks(layer_costs: Sequence[LayerCost], bounds: Sequence[int],
-               recompute: str = "never", overhead: float = 0.0,
-               transfer: float = 0.0) -> ChunkCosts:
+               recompute: str = "never", measured: Optional[tuple] = None,
+               cores: float = math.inf) -> ChunkCosts:
   """The simulator's costs of chunks [bounds[c], bounds[c+1]) of layers.
 
-  With recompute (`options.RECOMPUTE`), I and B also pay the chunk's
-  forward again.
+  Args:
+    layer_costs: every layer's costs (sizes, and seconds if measured).
+    bounds: the chunks' first layers, and the end.
+    recompute: one of `options.RECOMPUTE`; without `measured`, I and B
+      then pay the chunk's forward again.
+    measured: the chunks' own (alone, crowded) seconds (`measure_chunks`,
+      with the same recompute); None: the sums of their layers', alone.
+    cores: `shared_cores`.
   """
   chunks = [layer_costs[a:b] for a, b in zip(bounds, bounds[1:])]
   last = len(chunks) - 1
@@ -174,15 +279,17 @@ def for_chunks(layer_costs: Sequence[LayerCost], bounds: Sequence[int],
   def again(c):  # The forward that a recomputing backward runs first.
     return total("forward", chunks[c]) if recomputes[c] else 0.0
 
+  alone, crowded = measured or ([
+      (total("forward", p), total("input_grad", p) + again(c),
+       total("weight_grad", p), total("backward", p) + again(c))
+      for c, p in enumerate(chunks)], None)
+  forward, input_grad, weight_grad, backward = (
+      tuple(m[j] for m in alone) for j in range(4))
   kept = tuple(total("input_bytes", p) + total("output_bytes", p)
                for p in chunks)
   return ChunkCosts(
-      forward=tuple(total("forward", p) for p in chunks),
-      input_grad=tuple(total("input_grad", p) + again(c)
-                       for c, p in enumerate(chunks)),
-      weight_grad=tuple(total("weight_grad", p) for p in chunks),
-      backward=tuple(total("backward", p) + again(c)
-                     for c, p in enumerate(chunks)),
-      activation_bytes=kept, weight_grad_bytes=kept,
+      forward=forward, input_grad=input_grad, weight_grad=weight_grad,
+      backward=backward, activation_bytes=kept, weight_grad_bytes=kept,
       input_bytes=tuple(float(p[0].input_bytes) for p in chunks),
-      recomputes=recomputes, overhead=overhead, transfer=transfer)
+      recomputes=recomputes, cores=cores,
+      crowded=tuple(tuple(row) for row in crowded) if crowded else ())

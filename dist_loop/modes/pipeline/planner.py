@@ -3,14 +3,16 @@
 For a named schedule the plan is that schedule, cut into its chunks; for
 `--pipeline_schedule=auto` every registered schedule that can run (K, M, V)
 is a candidate. Each candidate is partitioned into its own chunks (C =
-K*V), given chunk costs summed from the measured layer costs (`costs.py`),
-and simulated (`simulator.py`). Auto picks the fastest predicted step among
+K*V), given its chunks' costs (measured as chunks when the run measures
+traced costs, else summed from the layers': `costs.py`), and simulated
+(`simulator.py`) on the cores the devices share. Auto picks the fastest predicted step among
 the candidates whose predicted peak activation memory per device fits
 `--pipeline_memory_mb` (all of them without a budget), and the table of
 candidates goes to the log.
 """
 
 import dataclasses
+import math
 from typing import Callable, List, Optional, Sequence, Tuple
 
 from dist_loop.errors import UserError
@@ -33,7 +35,9 @@ class Plan:
 
 
 def make_plans(options, layers, layer_costs: Sequence[costs_lib.LayerCost],
-               declared: Callable[[int], Optional[Sequence[int]]]
+               declared: Callable[[int], Optional[Sequence[int]]],
+               measure: Optional[Callable[[Sequence[int]], list]] = None,
+               cores: float = math.inf
                ) -> Tuple[List[Plan], List[Tuple[str, str]]]:
   """The plans of the run's schedule, or of every candidate for auto.
 
@@ -42,6 +46,9 @@ def make_plans(options, layers, layer_costs: Sequence[costs_lib.LayerCost],
     layers: the model's built layers.
     layer_costs: their measured costs.
     declared: C -> the model's own split points for C chunks, or None.
+    measure: chunk bounds -> their measured (alone, crowded) seconds
+      (`costs.chunk_measurer`); None: the layers' sums.
+    cores: `costs.shared_cores`.
 
   Returns:
     (plans, skipped): for auto, the candidates that cannot run (K, M, V)
@@ -74,7 +81,9 @@ def make_plans(options, layers, layer_costs: Sequence[costs_lib.LayerCost],
       skipped.append((name, str(e)))
       continue
     bounds = [s.start for s in stages] + [stages[-1].end]
-    chunk_costs = costs_lib.for_chunks(layer_costs, bounds, options.recompute)
+    chunk_costs = costs_lib.for_chunks(
+        layer_costs, bounds, options.recompute,
+        measure(bounds) if measure else None, cores)
     plans.append(Plan(name, schedule, stages, how, chunk_costs,
                       simulator.simulate(schedule, chunk_costs)))
   return plans, skipped

@@ -3,9 +3,19 @@
 Each device runs its actions in the schedule's order; an action starts when
 the device's previous action and the actions it depends on have finished
 (plus `transfer` seconds when the dependency ran on another device), and
-lasts its chunk's measured cost plus `overhead`. This is exactly the
+takes its chunk's measured cost plus `overhead`. This is exactly the
 discipline the executor enforces, so with the right costs the simulated
 timeline is the measured one.
+
+Devices may share cores: logical CPU devices all run on the process's
+cores. An action has two measured times: alone (with the other cores free:
+a B then computes its input and weight gradients on two cores at once),
+and crowded (while the other cores run actions too: no core to spare, and
+the memory shared). `cores` says how many actions run at once without
+sharing a core (infinite: every device has its own, as GPUs do); beyond
+that, the running actions share the cores evenly and each slows in
+proportion. With one time per action (crowded = alone) and enough cores,
+the simulation is the plain one above, to the last bit.
 
 Memory is counted per device in micro-batch activations: a (chunk,
 micro-batch) is live from the start of its F until its B or W ends. Bytes
@@ -15,11 +25,14 @@ recomputes them); from I to W what W needs (`weight_grad_bytes`).
 """
 
 import dataclasses
+import math
 from typing import Dict, List, Sequence, Tuple
 
 from dist_loop.modes.pipeline import schedule as schedule_lib
 from dist_loop.modes.pipeline.schedule import (BACKWARD, FORWARD, INPUT_GRAD,
                                                WEIGHT_GRAD, Action, Schedule)
+
+KINDS = (FORWARD, INPUT_GRAD, WEIGHT_GRAD, BACKWARD)  # `crowded`'s order.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +49,9 @@ class ChunkCosts:
   recomputes: Tuple[bool, ...] = ()  # Per chunk: F keeps only the input.
   overhead: float = 0.0  # Per action.
   transfer: float = 0.0  # Per dependency that crosses devices.
+  cores: float = math.inf  # Actions that run at once without sharing.
+  # Per chunk: (F, I, W, B) seconds while other actions run; () = alone's.
+  crowded: Tuple[Tuple[float, float, float, float], ...] = ()
 
   @classmethod
   def unit(cls, num_chunks: int, forward: float = 1.0,
@@ -45,7 +61,11 @@ class ChunkCosts:
     return cls((forward,) * n, (backward / 2,) * n, (backward / 2,) * n,
                (backward,) * n, (1.0,) * n, (1.0,) * n, (0.0,) * n)
 
-  def seconds(self, action: Action) -> float:
+  def seconds(self, action: Action, crowded: bool = False) -> float:
+    """One action's seconds: alone, or while other actions run."""
+    if crowded and self.crowded:
+      row = self.crowded[action.chunk]
+      return row[KINDS.index(action.kind)] + self.overhead
     table = {FORWARD: self.forward, INPUT_GRAD: self.input_grad,
              WEIGHT_GRAD: self.weight_grad, BACKWARD: self.backward}
     return table[action.kind][action.chunk] + self.overhead
@@ -79,24 +99,81 @@ def simulate(schedule: Schedule, costs: ChunkCosts = None) -> Prediction:
     schedule = Schedule.of(schedule)
   if costs is None:
     costs = ChunkCosts.unit(schedule.num_chunks)
-  done: Dict[Tuple[str, int, int], Tuple[float, int]] = {}
-  free = [0.0] * schedule.num_devices
-  bars: List[Bar] = []
-  for d, action in schedule_lib.execution_order(schedule):
-    start = free[d]
-    for need in schedule_lib.needs(action, schedule.num_chunks):
-      end, device = done[need]
-      start = max(start, end + (costs.transfer if device != d else 0.0))
-    end = start + costs.seconds(action)
-    for key in schedule_lib.provides(action):
-      done[key] = (end, d)
-    free[d] = end
-    bars.append((d, action, start, end))
+  schedule_lib.execution_order(schedule)  # Raises if it deadlocks.
+  bars = _timeline(schedule, costs)
   span = max(e for _, _, _, e in bars) - min(s for _, _, s, _ in bars)
   busy = sum(e - s for _, _, s, e in bars)
   bubble = 1.0 - busy / (schedule.num_devices * span) if span > 0 else 0.0
   live, nbytes = _memory(bars, schedule.num_devices, costs)
   return Prediction(bars, span, bubble, live, nbytes)
+
+
+class _Running:
+  """An action in progress: `left` seconds of it, timed alone, remain as of
+  time `since`, and it runs at `speed` (1: as fast as alone)."""
+
+  def __init__(self, action, start, alone, crowded):
+    self.action, self.start = action, start
+    self.alone, self.crowded = alone, crowded
+    self.since, self.left, self.speed = start, alone, 1.0
+
+  def end(self) -> float:
+    return self.since + self.left / self.speed
+
+  def set_speed(self, now: float, running: int, cores: float) -> None:
+    """The speed with `running` actions at once on `cores`."""
+    slower = self.alone / self.crowded if self.crowded > 0 else 1.0
+    speed = 1.0 if running == 1 else slower * min(1.0, cores / running)
+    if speed != self.speed:  # Untouched otherwise: exact ends at speed 1.
+      self.left -= (now - self.since) * self.speed
+      self.since, self.speed = now, speed
+
+
+def _timeline(schedule: Schedule, costs: ChunkCosts) -> List[Bar]:
+  """Every action's (device, action, start, end), by an event loop: start
+  what is ready, set what runs to its speed, advance to the next end (or
+  the next arrival of a transfer)."""
+  rows, k = schedule.devices, schedule.num_devices
+  position, free = [0] * k, [0.0] * k
+  done: Dict[Tuple[str, int, int], Tuple[float, int]] = {}
+  running: Dict[int, _Running] = {}
+  bars: List[Bar] = []
+  now = 0.0
+  while True:
+    arrivals = []  # When a waiting action's inputs arrive.
+    for d in range(k):
+      if d in running or position[d] == len(rows[d]):
+        continue
+      action = rows[d][position[d]]
+      needs = schedule_lib.needs(action, schedule.num_chunks)
+      if not all(n in done for n in needs):
+        continue
+      ready = free[d]
+      for n in needs:
+        end, device = done[n]
+        ready = max(ready, end + (costs.transfer if device != d else 0.0))
+      if ready > now:
+        arrivals.append(ready)
+        continue
+      running[d] = _Running(action, ready, costs.seconds(action),
+                            costs.seconds(action, crowded=True))
+    if not running:
+      if not arrivals:
+        return bars
+      now = min(arrivals)
+      continue
+    for r in running.values():
+      r.set_speed(now, len(running), costs.cores)
+    now = min([r.end() for r in running.values()] + arrivals)
+    for d, r in list(running.items()):
+      end = r.end()
+      if end <= now:
+        del running[d]
+        bars.append((d, r.action, r.start, end))
+        for key in schedule_lib.provides(r.action):
+          done[key] = (end, d)
+        free[d] = end
+        position[d] += 1
 
 
 def _memory(bars: Sequence[Bar], num_devices: int, costs: ChunkCosts):

@@ -1,11 +1,10 @@
 """Model parallelism by pipelining: chunks of layers on K devices, M micro-batches.
 
-At start each layer's costs are measured (`costs.py`); the schedule
-(`schedule.py`: GPipe, 1F1B, interleaved, zero-bubble, as data, or `auto`:
-`planner.py`) says how many chunks the model is cut into and which device
-holds each (`partition.py`); each chunk's variables are created on its
-device, and every step runs the schedule over M micro-batches of the batch
-(`executor.py`). Gradients are summed over the micro-batches and applied
+At start the layers' and chunks' costs are measured (`costs.py`); the
+schedule (`schedule.py`, or `auto`: `planner.py`) says how many chunks the
+model is cut into and which device holds each (`partition.py`); each
+chunk's variables are created on its device, and every step runs the
+schedule over M micro-batches of the batch (`executor.py`). Gradients are summed over the micro-batches and applied
 once, so a step equals a non-pipelined step on the whole batch.
 
 With `--num_devices=R*K` it is also data-parallel: replica r runs the whole
@@ -18,8 +17,7 @@ With `--precision=mixed_float16`, one dynamic loss scale (precision.py), on
 the first device, serves all chunks and replicas: a step whose gradients
 overflowed anywhere is skipped everywhere and halves the scale, as in the
 sync mode, and the checkpoint holds the scale under the sync mode's name.
-The inner loop and its non-finite bookkeeping are the step core's
-(`dist_loop.step.run_steps`).
+The inner loop and its non-finite bookkeeping are the step core's.
 
 The inner loop is traced twice: with per-action timestamps and without
 (`--pipeline_timing`). Under `log`, a `train(n)` that ends at a log line
@@ -84,14 +82,22 @@ class PipelineTrainer(Trainer, Reporting):
     # probe was built first after seeding.
     probe = models.build_for(config, dataset)
     initial_weights = probe.get_weights()
+    microbatch = config.global_batch_size // self.replicas // m
+    # Op determinism refuses timestamps: then eager, rougher costs.
+    traced = self.cost_measurement == "traced" and not config.deterministic
     self.layer_costs = costs_lib.measure(
-        probe.layers, dataset, config.global_batch_size // self.replicas // m,
+        probe.layers, dataset, microbatch,
         getattr(models.MODELS.get(config.model), "input_dtype", "float32"),
-        self.task, devices[0], traced=self.cost_measurement == "traced"
-        and not config.deterministic)  # Op determinism refuses timestamps.
+        self.task, devices[0], traced=traced)
+    cores = costs_lib.shared_cores(devices, config.intra_op_threads,
+                                   config.inter_op_threads, self.replicas)
     plans, skipped = planner.make_plans(
         self.options, probe.layers, self.layer_costs,
-        lambda c: models.split_points_for(config.model, c, len(probe.layers)))
+        lambda c: models.split_points_for(config.model, c, len(probe.layers)),
+        measure=traced and costs_lib.chunk_measurer(
+            probe.layers, dataset, microbatch, self.task, self.device_grid[0],
+            self.options.recompute, cores), cores=cores)
+    self.plans = plans  # Every candidate, as predicted.
     self.plan = planner.pick(plans, self.options.pipeline_memory_mb)
     del probe
     self.schedule, self.stages = self.plan.schedule, self.plan.stages
