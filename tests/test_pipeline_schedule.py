@@ -249,6 +249,56 @@ def test_shared_cores_slow_only_what_runs_at_once(name, k, m):
               if dev == d] == list(row)
 
 
+def _list_simulation(schedule, costs):
+  """The plain list simulation: start = max(device free, inputs + transfer),
+  end = start + seconds. The event loop must equal it to the last bit."""
+  free, done, bars = [0.0] * schedule.num_devices, {}, []
+  for d, action in sl.execution_order(schedule):
+    start = free[d]
+    for need in sl.needs(action, schedule.num_chunks):
+      end, device = done[need]
+      start = max(start, end + (costs.transfer if device != d else 0.0))
+    end = start + costs.seconds(action)
+    for key in sl.provides(action):
+      done[key] = (end, d)
+    free[d] = end
+    bars.append((d, action, start, end))
+  return bars
+
+
+@pytest.mark.parametrize("transfer", [0.0, 0.37])
+def test_the_event_loop_equals_the_list_simulation_without_sharing(transfer):
+  rng = np.random.RandomState(0)
+  for name in sl.SCHEDULES.names():
+    for k in (2, 3, 4):
+      for m in (1, 3, 4, 8):
+        try:
+          schedule = sl.make(name, k, m)
+        except UserError:
+          continue  # Not defined for (K, M).
+        n = schedule.num_chunks
+        f, i, w = (tuple(rng.uniform(0.1, 2.0, n)) for _ in range(3))
+        costs = simulator.ChunkCosts(
+            f, i, w, tuple(a + b for a, b in zip(i, w)), transfer=transfer)
+        got = sorted(simulator.simulate(schedule, costs).bars,
+                     key=lambda b: (b[0], b[2]))
+        assert got == sorted(_list_simulation(schedule, costs),
+                             key=lambda b: (b[0], b[2])), (name, k, m)
+
+
+def test_zero_times_and_bad_cores():
+  # A chunk without variables may time its W at 0 (below the clock's
+  # resolution): it still ends, at once, beside other work.
+  schedule = sl.make("zb_h1", 2, 4)
+  costs = simulator.ChunkCosts.unit(2)
+  zero_w = simulator.ChunkCosts(
+      **{**costs.__dict__, "weight_grad": (0.0, 1.0), "cores": 2.0,
+         "crowded": ((1.5, 1.5, 0.5, 3.0),) * 2})
+  assert simulator.simulate(schedule, zero_w).step_time > 0
+  with pytest.raises(ValueError, match="cores must be positive"):
+    simulator.ChunkCosts(**{**costs.__dict__, "cores": 0.0})
+
+
 def test_crowded_actions_take_their_crowded_time():
   # Two devices, GPipe, one micro-batch each way: F0 on device 0, then F0
   # on device 1, B0 on 1, B0 on 0: never two at once, so all alone.

@@ -61,6 +61,10 @@ class ChunkCosts:
     return cls((forward,) * n, (backward / 2,) * n, (backward / 2,) * n,
                (backward,) * n, (1.0,) * n, (1.0,) * n, (0.0,) * n)
 
+  def __post_init__(self):
+    if not self.cores > 0:
+      raise ValueError(f"cores must be positive, not {self.cores}")
+
   def seconds(self, action: Action, crowded: bool = False) -> float:
     """One action's seconds: alone, or while other actions run."""
     if crowded and self.crowded:
@@ -122,7 +126,9 @@ class _Running:
 
   def set_speed(self, now: float, running: int, cores: float) -> None:
     """The speed with `running` actions at once on `cores`."""
-    slower = self.alone / self.crowded if self.crowded > 0 else 1.0
+    # A zero time (below the clock's resolution) has no speed to lose.
+    slower = (self.alone / self.crowded if self.alone > 0
+              and 0 < self.crowded < math.inf else 1.0)
     speed = 1.0 if running == 1 else slower * min(1.0, cores / running)
     if speed != self.speed:  # Untouched otherwise: exact ends at speed 1.
       self.left -= (now - self.since) * self.speed
