@@ -22,15 +22,13 @@ A benchmark, not a test: the numbers depend on the machine and its load.
 import argparse
 import os
 import statistics
-import time
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # pylint: disable=g-import-not-at-top
 
 from dist_loop import data, devices  # pylint: disable=g-import-not-at-top
-from dist_loop.evaluation import Evaluator  # pylint: disable=g-import-not-at-top
 from dist_loop.modes import Reporting  # pylint: disable=g-import-not-at-top
 from tools.benchmarks import common  # pylint: disable=g-import-not-at-top
 
@@ -45,7 +43,7 @@ SETTINGS = {  # quick: a smoke run of the harness; full: the README numbers.
 }
 
 
-class _Setting:
+class _Setting(common.ChunkedRun):
   """One (mode, straggler factor): its trainer, evaluator and timings."""
 
   def __init__(self, mode: str, factor: int, model: str, split, names):
@@ -54,26 +52,8 @@ class _Setting:
     if factor > 1:
       flat["straggler"] = f"{NUM_DEVICES - 1}:{factor}"
     keras.utils.set_random_seed(flat["seed"])  # The same init everywhere.
-    config, self.trainer = common.trainer(names, flat, split)
-    self.evaluator = Evaluator(self.trainer.model, split,
-                               config.eval_batch_size)
-    self.steps = 0
-    self.chunk_seconds: List[float] = []  # Tracing chunk excluded.
-    self.steps_to_target: Optional[int] = None
-    self.seconds_to_target: Optional[float] = None
-    self.accuracy = 0.0
-
-  def train_chunk(self, target: float) -> None:
-    t0 = time.perf_counter()
-    self.trainer.train(CHUNK)
-    seconds = time.perf_counter() - t0
-    if self.steps:  # The first chunk traces: not timed.
-      self.chunk_seconds.append(seconds)
-    self.steps += CHUNK
-    self.accuracy = self.evaluator.evaluate()["eval/accuracy"]
-    if self.steps_to_target is None and self.accuracy >= target:
-      self.steps_to_target = self.steps
-      self.seconds_to_target = sum(self.chunk_seconds)
+    config, trainer = common.trainer(names, flat, split)
+    super().__init__(trainer, split, config.eval_batch_size, CHUNK)
 
   def row(self, target: float) -> Dict[str, object]:
     return {

@@ -29,15 +29,13 @@ compression's compute, not the saving on a real network.
 import os
 import statistics
 import sys
-import time
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # pylint: disable=g-import-not-at-top
 
 from dist_loop import data, devices  # pylint: disable=g-import-not-at-top
-from dist_loop.evaluation import Evaluator  # pylint: disable=g-import-not-at-top
 from tools.benchmarks import common  # pylint: disable=g-import-not-at-top
 
 CHUNK = 32  # A multiple of every H: local SGD is evaluated right after a sync.
@@ -64,7 +62,7 @@ SETTINGS = {  # quick: a smoke run of the harness; full: the README numbers.
 TARGETS = (("powersgd r=4", 10, 1.0), ("DiLoCo H=32", 32, 1.0))
 
 
-class _Variant:
+class _Variant(common.ChunkedRun):
   """One (variant, replicas): its trainer, evaluator and measurements."""
 
   def __init__(self, name: str, replicas: int, settings, split, names):
@@ -74,25 +72,9 @@ class _Variant:
                 learning_rate=1e-3, seed=0, train_steps=settings["steps"],
                 **VARIANTS[name])
     keras.utils.set_random_seed(0)  # The same initial weights everywhere.
-    config, self.trainer = common.trainer(names[:replicas], flat, split)
-    self.evaluator = Evaluator(self.trainer.model, split,
-                               config.eval_batch_size)
+    config, trainer = common.trainer(names[:replicas], flat, split)
+    super().__init__(trainer, split, config.eval_batch_size, CHUNK)
     self.examples_per_chunk = CHUNK * config.global_batch_size
-    self.steps = 0
-    self.chunk_seconds: List[float] = []  # Tracing chunk excluded.
-    self.steps_to_target: Optional[int] = None
-    self.accuracy = 0.0
-
-  def train_chunk(self, target: float) -> None:
-    t0 = time.perf_counter()
-    self.trainer.train(CHUNK)
-    seconds = time.perf_counter() - t0
-    if self.steps:  # The first chunk traces: not timed.
-      self.chunk_seconds.append(seconds)
-    self.steps += CHUNK
-    self.accuracy = self.evaluator.evaluate()["eval/accuracy"]
-    if self.steps_to_target is None and self.accuracy >= target:
-      self.steps_to_target = self.steps
 
   def row(self, target: float) -> Dict[str, object]:
     summary = self.trainer.summary()

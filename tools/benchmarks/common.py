@@ -17,6 +17,7 @@ import dist_loop
 from dist_loop import configure, data
 from dist_loop.cluster import Cluster
 from dist_loop.data import Dataset
+from dist_loop.evaluation import Evaluator
 from dist_loop.modes import Trainer, build_trainer
 
 # One process, whatever TF_CONFIG says: a benchmark is not a cluster.
@@ -43,6 +44,35 @@ def trainer(devices: Sequence[str], flat: Mapping[str, object],
   run = config(**flat)
   dataset = data.load(run) if dataset is None else dataset
   return run, build_trainer(run, list(devices), dataset, LOCAL)
+
+
+class ChunkedRun:
+  """A trainer trained `chunk` steps at a time and evaluated after each
+  chunk, so that several can take turns in one process: the chunks'
+  seconds (the first, which traces, excluded), the accuracy, and the steps
+  and seconds it took to reach a target accuracy."""
+
+  def __init__(self, trainer: Trainer, dataset: Dataset, eval_batch_size: int,
+               chunk: int):
+    self.trainer, self.chunk = trainer, chunk
+    self.evaluator = Evaluator(trainer.model, dataset, eval_batch_size)
+    self.steps = 0
+    self.chunk_seconds: List[float] = []
+    self.steps_to_target: Optional[int] = None
+    self.seconds_to_target: Optional[float] = None  # Timed chunks only.
+    self.accuracy = 0.0
+
+  def train_chunk(self, target: float) -> None:
+    t0 = time.perf_counter()
+    self.trainer.train(self.chunk)
+    seconds = time.perf_counter() - t0
+    if self.steps:  # The first chunk traces: not timed.
+      self.chunk_seconds.append(seconds)
+    self.steps += self.chunk
+    self.accuracy = self.evaluator.evaluate()["eval/accuracy"]
+    if self.steps_to_target is None and self.accuracy >= target:
+      self.steps_to_target = self.steps
+      self.seconds_to_target = sum(self.chunk_seconds)
 
 
 def interleaved_times(variants: Dict[str, Callable[[], None]], rounds: int,
