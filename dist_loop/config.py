@@ -56,6 +56,12 @@ class Config:
   # A step whose loss is above this is treated like a non-finite one
   # (--nonfinite); 0: no bound.
   max_loss: float = 0.0
+  # A run stops once this many steps in a row were skipped (their update
+  # not applied: --nonfinite=skip, or a float16 loss-scale overflow).
+  max_consecutive_skips: int = 50
+  # A run whose last logged loss is this many times its first is reported
+  # as diverged (and so is a non-finite evaluation); 0: never.
+  diverged_loss_ratio: float = 10.0
   grace_period_s: float = 30.0
   allow_config_change: bool = False
   eval_batch_size: int = 256
@@ -65,6 +71,9 @@ class Config:
   # Multi-process runs: a collective (or, in ps mode, a round without an
   # applied update) that waits this long for a peer fails.
   collective_timeout_s: float = 120.0
+  # Multi-process runs: joining the cluster fails if a peer has not come up
+  # after this long.
+  join_timeout_s: float = 300.0
   # The options dataclasses of the chosen mode, model and dataset (a
   # registered component may declare `Options`); None means no options or
   # their defaults (`dist_loop.configure.validate` fills them in).
@@ -92,6 +101,15 @@ class Config:
     for name in ("histogram_every", "intra_op_threads", "inter_op_threads"):
       if getattr(self, name) < 0:
         raise UserError(f"--{name} must be >= 0, got {getattr(self, name)}")
+    if self.max_consecutive_skips < 1:
+      raise UserError("--max_consecutive_skips must be at least 1, got "
+                      f"{self.max_consecutive_skips}")
+    if not self.diverged_loss_ratio >= 0:
+      raise UserError("--diverged_loss_ratio must be >= 0 (0: never), got "
+                      f"{self.diverged_loss_ratio}")
+    if not self.join_timeout_s > 0:
+      raise UserError(f"--join_timeout_s must be > 0, got "
+                      f"{self.join_timeout_s}")
     if not self.collective_timeout_s > 0:
       raise UserError("--collective_timeout_s must be > 0, got "
                       f"{self.collective_timeout_s}")

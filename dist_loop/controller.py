@@ -139,6 +139,7 @@ class Controller:
     metrics = dict(self.trainer.train(target - step))
     seconds = time.perf_counter() - t0
     skipped = int(metrics.pop("train/skipped_steps", 0))
+    metrics.pop("train/skipped_steps_at_end", None)
     new_step = self._step()
     if new_step != target:
       raise RuntimeError(f"the step counter is at {new_step} after training "

@@ -111,6 +111,14 @@ flags.DEFINE_float("max_loss", 0.0, "A step whose loss (in nats) is above "
                    "(--nonfinite=raise or rollback); 0: no bound. A bound "
                    "of ~100x the first logged loss catches a run that blows "
                    "up.", lower_bound=0.0, **_in)
+flags.DEFINE_integer("max_consecutive_skips", 50, "Stop the run once this "
+                     "many steps in a row were skipped (--nonfinite=skip, or "
+                     "float16 loss-scale overflows).", lower_bound=1, **_in)
+flags.DEFINE_float("diverged_loss_ratio", 10.0, "Report the run as diverged "
+                   "(a warning, summary.json, exit code 3) if its last "
+                   "logged loss is this many times its first, or its "
+                   "evaluation is non-finite; 0: never.", lower_bound=0.0,
+                   **_in)
 flags.DEFINE_float("grace_period_s", 30.0, "After SIGTERM, seconds to save a "
                    "checkpoint and exit.", lower_bound=0.1, **_in)
 flags.DEFINE_bool("allow_config_change", False, "Resume a workdir even if "
@@ -122,6 +130,9 @@ flags.DEFINE_float("collective_timeout_s", 120.0, "Multi-worker sync: a "
                    "(CommunicationOptions.timeout_seconds); ps: training "
                    "fails after this long without an applied update.",
                    lower_bound=0.001, **_in)
+flags.DEFINE_float("join_timeout_s", 300.0, "Multi-process runs: joining "
+                   "the cluster fails if a peer task has not come up after "
+                   "this long.", lower_bound=0.001, **_in)
 
 RUN_FLAGS: Tuple[str, ...] = tuple(configure.flat_defaults()) + ("workdir",)
 # The option flags defined so far, by name.

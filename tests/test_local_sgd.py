@@ -110,7 +110,9 @@ class _Alone:
 def test_replicas_train_alone_between_syncs_and_diloco_syncs(
     small_config, monkeypatch):
   reduced = []  # The elements of each all-reduce, as each replica traces it.
+  gathered = []  # The same for each all-gather.
   original = tf.distribute.ReplicaContext.all_reduce
+  original_gather = tf.distribute.ReplicaContext.all_gather
 
   def spy(self, reduce_op, value, options=None):
     if self.num_replicas_in_sync > 1:  # Not the lone references' Keras.
@@ -118,7 +120,13 @@ def test_replicas_train_alone_between_syncs_and_diloco_syncs(
                          for t in tf.nest.flatten(value)))
     return original(self, reduce_op, value, options=options)
 
+  def spy_gather(self, value, axis, options=None):
+    if self.num_replicas_in_sync > 1:
+      gathered.append(int(np.prod(value.shape)))
+    return original_gather(self, value, axis, options=options)
+
   monkeypatch.setattr(tf.distribute.ReplicaContext, "all_reduce", spy)
+  monkeypatch.setattr(tf.distribute.ReplicaContext, "all_gather", spy_gather)
   lr, mu = 0.7, 0.9
   trainer = _trainer(small_config(
       **LOCAL, sync_every=4, train_steps=8, optimizer="adam",
@@ -151,9 +159,11 @@ def test_replicas_train_alone_between_syncs_and_diloco_syncs(
       alone[r].set_weights(sync)  # Its own optimizer state carries on.
   report = trainer.report().scalars
   trainer.close()
-  # Nothing but the pseudo-gradient and, once per call, 4 metric sums.
+  # Nothing but the pseudo-gradient and, once per loop, one row of sums
+  # (loss, accuracy, replica grad norm and 4 counts), traced once.
   params = sum(w.size for w in sync)
-  assert sorted(reduced) == [4, 4, params, params]
+  assert sorted(reduced) == [params, params]
+  assert gathered == [7, 7]
   assert report["comm/ratio_to_float32"] == 1 / 4
   assert report["local_sgd/pseudo_gradient_norm"] > 0
 

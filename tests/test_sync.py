@@ -78,7 +78,7 @@ def test_loops_of_any_length_share_one_trace_and_report_the_metrics(
   assert trainer.trace_count == 1
   assert int(trainer.step.numpy()) == 10
   assert set(metrics) == {"train/loss", "train/accuracy", "train/grad_norm",
-                          "train/skipped_steps"}
+                          "train/skipped_steps", "train/skipped_steps_at_end"}
   assert metrics["train/loss"] > 0 and metrics["train/grad_norm"] > 0
   assert 0 <= metrics["train/accuracy"] <= 1
   trainer.close()

@@ -168,6 +168,39 @@ class Trainer(abc.ABC):
     """Stops threads and frees devices. Safe to call twice."""
 
 
+def train_metrics(task: tasks.Task, means: Dict[str, float], *,
+                  skipped: int = 0, skipped_at_end: int = 0,
+                  extra: Optional[Dict[str, float]] = None
+                  ) -> Dict[str, float]:
+  """The end of every mode's `train(n)`, written once.
+
+  Args:
+    task: the run's task; its `report` turns the means of its metrics into
+      what a user reads (a language model adds `bits_per_byte`).
+    means: per-update means over the call's *applied* updates: the task's
+      metrics, `grad_norm` (the norm of the update's reduced gradient, in
+      every mode that reduces one) and any mode-specific value. Empty when
+      no update was applied: then the call reports no loss, never a 0.
+    skipped: steps that advanced the counter without applying their update.
+    skipped_at_end: of those, the ones after the call's last applied update
+      (all of them if none was applied): the controller stops a run that
+      keeps skipping.
+    extra: values as they are now (`loss_scale`).
+
+  Returns:
+    Flat names: `train/<name>`, or the name itself if it has a prefix
+    (`local_sgd/...`); always `train/skipped_steps` and
+    `train/skipped_steps_at_end`.
+  """
+  task_means = {k: means[k] for k in task.metric_names if k in means}
+  out = dict(task.report(task_means)) if task_means else {}
+  out.update((k, v) for k, v in means.items() if k not in task.metric_names)
+  out.update(extra or {})
+  out["skipped_steps"] = skipped
+  out["skipped_steps_at_end"] = skipped_at_end
+  return {(k if "/" in k else f"train/{k}"): float(v) for k, v in out.items()}
+
+
 class Reporting(abc.ABC):
   """What a mode may report besides `train`'s metrics (optional).
 

@@ -27,12 +27,14 @@ Communication. Only a synchronisation all-reduces: `bytes_per_sync`, the
 pseudo-gradient (and any non-trainable float weights), which `report` and
 `summary` count per step under the names every all-reducing mode uses
 (`compression.wire`: `comm/bytes_per_step`, and its ratio to what float32
-sync sends). Not counted, as in sync mode: the loop's metrics, which
-are summed per replica and reduced once per `train` call (so inner steps
-run no collective, even across processes), and the gather of the replicas'
-state when a checkpoint is saved. A non-finite step is not applied on its
-replica and is reported when the call ends. `train/grad_norm` is the mean
-over replicas of the norm of each replica's own gradient.
+sync sends). Not counted, as in sync mode: the loop's metrics, which the
+loop base sums per replica and gathers once per loop (`modes/loop.py`), so
+inner steps run no collective, even across processes; and the gather of
+the replicas' state when a checkpoint is saved. A non-finite step is not
+applied on its replica and is reported when the loop ends. There is no
+reduced gradient per step, so no `train/grad_norm`:
+`local_sgd/replica_grad_norm` is the mean over replicas of the norm of
+each replica's own gradient.
 
 `--train_steps` counts inner steps and must be a multiple of H, so that the
 last steps reach the model. Checkpoints hold `step`, `model` (the
@@ -48,63 +50,40 @@ from typing import Dict
 
 import tensorflow as tf
 
-from dist_loop import compression, models, optim
-from dist_loop import step as step_lib
-from dist_loop.config import check_divisible
-from dist_loop.data import train_dataset_fn
-from dist_loop.errors import NonFiniteError, UserError
-from dist_loop.modes.base import MODES, Report, Reporting, Trainer
-from dist_loop import replicas
+from dist_loop import compression, models, optim, replicas
+from dist_loop import step as step_core
 from dist_loop import strategy as strategy_lib
+from dist_loop.errors import UserError
+from dist_loop.modes.base import MODES, Report, Reporting
 from dist_loop.modes.local_sgd import outer
 from dist_loop.modes.local_sgd.options import LocalSGDOptions
-from dist_loop.modes.sync import SyncTrainer, make_strategy
-from dist_loop.modes.sync.trainer import check_workers_only
+from dist_loop.modes.loop import LoopTrainer, StepResult
+from dist_loop.modes.mirrored import Mirrored
 
-_NO_BAD_STEP = tf.int64.max
+REPLICA_GRAD_NORM = "local_sgd/replica_grad_norm"
 
 
 @MODES.register("local_sgd")
-class LocalSGDTrainer(Trainer, Reporting):
+class LocalSGDTrainer(Mirrored, LoopTrainer, Reporting):
   """Inner steps in `strategy.run` without collectives; a sync every H."""
 
   Options = LocalSGDOptions
-  multi_process = True
   # float16 would need a loss scale per replica; bfloat16 needs none.
   precisions = ("float32", "mixed_bfloat16")
   grad_accumulation = True
-
-  @classmethod
-  def num_replicas(cls, config, cluster):
-    return SyncTrainer.num_replicas(config, cluster)
+  replicas_agree = False  # Each replica applies its own update.
+  reported_means = (REPLICA_GRAD_NORM,)
 
   @classmethod
   def validate(cls, config, cluster):
-    check_workers_only(config, cluster)
-    check_divisible(config.global_batch_size,
-                    cls.num_replicas(config, cluster))
+    super().validate(config, cluster)
     _check_options(config.mode_options, config.train_steps)
-
-  @classmethod
-  def join_cluster(cls, config, cluster):
-    SyncTrainer.join_cluster(config, cluster)
-
-  @classmethod
-  def cluster_error(cls, config, cluster, error):
-    return SyncTrainer.cluster_error(config, cluster, error)
 
   def __init__(self, config, devices, dataset, cluster):
     super().__init__(config, devices, dataset, cluster)
     self.is_chief = cluster.is_chief
-    self.strategy = make_strategy(devices, config.collective_timeout_s,
-                                  cluster.num_trainers)
+    self.strategy = self.build_strategy()
     self.replica_count = self.strategy.num_replicas_in_sync
-    if self.replica_count != self.num_replicas(config, cluster):
-      raise UserError(
-          f"the strategy has {self.replica_count} replicas but --num_devices="
-          f"{config.num_devices} on each of {cluster.num_trainers} workers "
-          f"asks for {self.num_replicas(config, cluster)}; make every worker "
-          "see --num_devices devices")
     self.examples_per_replica = self.examples_per_step // self.replica_count
     self.loss_scale = None
     with self.strategy.scope():
@@ -127,21 +106,13 @@ class LocalSGDTrainer(Trainer, Reporting):
     self.bytes_per_sync = outer.bytes_per_sync(self.model)
     self.float32_bytes_per_step = compression.wire.float32_bytes_per_step(
         self.model.trainable_variables)
-    self._iterator = None
     self._on_master_fns = {}
-    self._loop = tf.function(self._loop_fn)
 
   def checkpoint_items(self):
     return {"step": self.step, "model": self.model,
             "optimizer": self.optimizer,
             "outer_optimizer": self.outer_optimizer,
             "replicas": self.replica_state}
-
-  def on_restore(self):
-    self._iterator = None  # Rebuilt from the restored step.
-
-  def close(self):
-    self._iterator = None  # See SyncTrainer.close.
 
   def scope(self):
     return self.strategy.scope()
@@ -150,79 +121,40 @@ class LocalSGDTrainer(Trainer, Reporting):
     return strategy_lib.on_first_replica(self.strategy, self._on_master_fns,
                                          fn, *args)
 
-  # -- the replica's inner step and the loop --
+  def before_train(self):
+    self.replica_state.apply()  # After a restore: each replica's own state.
 
-  def _zeros(self):
-    totals = {k: tf.constant(0.0) for k in self._sum_keys}
-    totals["first_bad"] = tf.constant(_NO_BAD_STEP, tf.int64)
-    return totals
+  # -- the replica's inner step, and the synchronisation --
 
-  @property
-  def _sum_keys(self):
-    return self.task.metric_names + ("grad_norm", "bad_steps")
+  def mean_keys(self, variant):
+    del variant
+    return (REPLICA_GRAD_NORM,)
 
-  def _inner_step(self, batch, totals):
+  def replica_step(self, batch, variant):
+    """One step of the replica's own weights on its own batch."""
+    del variant
     x, y = batch
     chunks = self.config.grad_accum_steps
-    shares, grads = step_lib.accumulated_gradients(
+    shares, grads = step_core.accumulated_gradients(
         self.task, self.replica_model, x, y, chunks=chunks,
         examples_per_update=self.examples_per_replica, contributors=chunks)
     ok = tf.logical_and(optim.all_finite(grads),
                         tf.math.is_finite(shares["loss"]))
     optim.apply_reduced(self.optimizer, grads,
                         self.replica_model.trainable_variables, ok)
-    out = {k: totals[k] + shares[k] for k in self.task.metric_names}
-    out["grad_norm"] = totals["grad_norm"] + tf.linalg.global_norm(grads)
-    out["bad_steps"] = totals["bad_steps"] + tf.cast(~ok, tf.float32)
-    this_step = tf.convert_to_tensor(self.step) + 1
-    out["first_bad"] = tf.where(ok, totals["first_bad"],
-                                tf.minimum(totals["first_bad"], this_step))
-    return out
+    # The replica's batch is 1/R of the step's: its share of the step's mean.
+    shares = {k: v / self.replica_count for k, v in shares.items()}
+    return StepResult(shares, ok,
+                      {REPLICA_GRAD_NORM: tf.linalg.global_norm(grads)})
+
+  def after_step(self):
+    if self.step % self.options.sync_every == 0:
+      self.strategy.run(self._synchronise)
 
   def _synchronise(self):
     norm = outer.synchronise(self.model, self.replica_model,
                              self.outer_optimizer)
     replicas.write([self.pseudo_gradient_norm], [norm])
-
-  def _totals(self, totals):
-    """Replica context, once per call: sums over replicas, first bad step."""
-    ctx = tf.distribute.get_replica_context()
-    # Fresh tensors on the replica's device: the loop's outputs may have
-    # none, which a multi-worker collective refuses.
-    totals = {k: tf.identity(v) for k, v in totals.items()}
-    sums = ctx.all_reduce(tf.distribute.ReduceOp.SUM,
-                          {k: totals[k] for k in self._sum_keys})
-    firsts = ctx.all_gather(totals["first_bad"][None], axis=0)
-    return sums, tf.reduce_min(firsts)
-
-  def _loop_fn(self, iterator, num_steps):
-    s = self.strategy
-    totals = s.run(self._zeros)
-    for _ in tf.range(num_steps):
-      totals = s.run(self._inner_step, args=(next(iterator), totals))
-      self.step.assign_add(1)
-      if self.step % self.options.sync_every == 0:
-        s.run(self._synchronise)
-    sums, first_bad = s.run(self._totals, args=(totals,))
-    return tf.nest.map_structure(
-        lambda v: s.experimental_local_results(v)[0], (sums, first_bad))
-
-  def train(self, num_steps: int) -> Dict[str, float]:
-    self.replica_state.apply()  # After a restore: each replica's own state.
-    if self._iterator is None:  # Built lazily: resumes at the restored step.
-      fn = train_dataset_fn(self.dataset.train_x, self.dataset.train_y,
-                            self.examples_per_step, self.config.seed,
-                            start_step=int(self.step.numpy()))
-      self._iterator = iter(self.strategy.distribute_datasets_from_function(fn))
-    sums, first_bad = self._loop(self._iterator,
-                                 tf.constant(num_steps, tf.int64))
-    if float(sums["bad_steps"]) > 0:
-      raise NonFiniteError(int(first_bad))
-    means = {k: float(sums[k]) / (num_steps * self.replica_count)
-             for k in self.task.metric_names + ("grad_norm",)}
-    task_means = {k: means.pop(k) for k in self.task.metric_names}
-    out = {**self.task.report(task_means), **means, "skipped_steps": 0.0}
-    return {f"train/{k}": v for k, v in out.items()}
 
   # -- Reporting: bytes on the wire --
 
