@@ -1,12 +1,14 @@
 """dist_loop: hand-written TensorFlow 2 training loops across devices.
 
 The library never reads flags: build a `Config` and call `run(config)`.
+It never sets up logging either: how much TensorFlow prints is the entry
+point's choice (`dist_loop/console.py`).
 """
 
 import os
 
-# TensorFlow's C++ start-up chatter hides our own output; keep its errors.
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# Keras 3 picks its backend at import; the library is written for
+# TensorFlow's.
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
 from dist_loop.config import Config  # pylint: disable=g-import-not-at-top

@@ -81,14 +81,19 @@ def _positive(value):
 def test_quick_suites_write_consistent_json(tmp_path):
   # In a process of its own, as users run it: the suites leave Keras fit's
   # multi-device iterators behind, and their destruction, whenever the
-  # garbage collector gets to it, stalls whatever test runs next.
+  # garbage collector gets to it, stalls whatever test runs next. Without
+  # the TF_CPP_MIN_LOG_LEVEL that conftest sets here: a user's shell has none.
   out = tmp_path / "bench.json"
+  env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
   result = subprocess.run(
       [sys.executable, "-m", "tools.bench", "--quick",
        "--suite=overhead,mfu,data_parallel", f"--out={out}"],
-      cwd=REPO, capture_output=True, text=True, timeout=300)
+      cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
   assert result.returncode == 0, result.stderr[-3000:]
   assert f"wrote {out}" in result.stdout
+  # Only its own lines, all on stdout: none of TensorFlow's or Keras's
+  # (test_quiet_tools.py: --verbosity=2 brings them back).
+  assert result.stderr == "", result.stderr[-3000:]
   results = json.loads(out.read_text())
   assert results["quick"] is True
   assert results["machine"]["cpu_count"] == os.cpu_count()

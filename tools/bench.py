@@ -11,20 +11,24 @@ per suite and writes everything, with the machine it ran on, to `--out` as
 JSON.
 `--quick` uses tiny sizes: a smoke run of the harness, not numbers to quote.
 Benchmarks are not tests: the test suite asserts no timing.
+
+The terminal shows the benchmark's own lines only; `--verbosity=1` adds
+TensorFlow's warnings, `--verbosity=2` everything (`dist_loop/console.py`).
 """
 
 import importlib
+import logging
 import os
 import platform
 import sys
 import time
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from absl import app, flags
 
-from absl import app, flags  # pylint: disable=g-import-not-at-top
-
-from dist_loop import devices  # pylint: disable=g-import-not-at-top
-from dist_loop.files import atomic_write_json  # pylint: disable=g-import-not-at-top
+# Neither imports TensorFlow: `main` imports it, quietly, once the
+# verbosity is known.
+from dist_loop import console
+from dist_loop.files import atomic_write_json
 
 SUITES = {  # name -> module with run(quick) -> {"rows": [...], "table": str}
     "overhead": "tools.benchmarks.overhead",
@@ -60,8 +64,16 @@ def machine() -> dict:
           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
 
+def verbosity() -> int:
+  """--verbosity if given, else 0 (absl's default, -1, would also hide our
+  info lines)."""
+  flag = FLAGS["verbosity"]
+  return 0 if flag.using_default_value else flag.value
+
+
 def run_suites(names, quick: bool) -> dict:
   """Runs the named suites in order; returns the JSON-able results."""
+  from dist_loop import devices  # pylint: disable=g-import-not-at-top
   devices.configure(NUM_DEVICES, "cpu")
   names = list(SUITES) if "all" in names else names
   results = {"machine": machine(), "quick": quick, "suites": {}}
@@ -75,6 +87,11 @@ def run_suites(names, quick: bool) -> dict:
 
 def main(argv):
   del argv
+  console.start(verbosity())  # Imports TensorFlow.
+  console.setup(verbosity())
+  # Python warnings (Keras fit's, in the overhead suite) are another
+  # library's lines too: as log records, the console's filter sees them.
+  logging.captureWarnings(True)
   results = run_suites(FLAGS.suite, FLAGS.quick)
   m = results["machine"]
   print(f"# dist_loop benchmarks ({m['date']}; {m['cpu_count']} cores, "

@@ -11,6 +11,9 @@ against step and against wall time (seconds since the run's first logged
 point). With --logdir the same plot is also a TensorBoard image (tag
 `compare/curves`, an RGB image at step 0, its description naming the runs),
 so `tensorboard --logdir runs/` shows it in the Images tab beside the runs.
+
+The terminal shows the tool's own lines only; `--verbosity=1` adds
+TensorFlow's warnings, `--verbosity=2` everything (`dist_loop/console.py`).
 """
 
 import json
@@ -155,12 +158,19 @@ def write_image(runs: List[Dict], logdir: str) -> None:
   writer.close()
 
 
+def verbosity() -> int:
+  """--verbosity if given, else 0 (absl's default, -1, would also hide our
+  info lines)."""
+  flag = FLAGS["verbosity"]
+  return 0 if flag.using_default_value else flag.value
+
+
 def main(argv):
   workdirs = argv[1:]
   if not workdirs:
     raise app.UsageError("give one or more run workdirs")
-  console.start(FLAGS.verbosity)  # TensorFlow is imported later, lazily.
-  console.setup(FLAGS.verbosity)
+  console.start(verbosity())  # Imports TensorFlow, quietly.
+  console.setup(verbosity())
   try:
     runs = [load_run(w) for w in workdirs]
   except RunError as e:

@@ -1,0 +1,78 @@
+"""tools.bench and tools.compare print their own lines only; `--verbosity`
+brings TensorFlow's back, as in `experiments.train` (`dist_loop/console.py`).
+
+One subprocess per case, as a user runs them, without the
+`TF_CPP_MIN_LOG_LEVEL` that conftest sets for this process: a user's shell
+has none. tools.bench at the default verbosity is checked on the quick
+suites of `test_bench.py`.
+"""
+
+import os
+import re
+import subprocess
+import sys
+
+from conftest import REPO
+from dist_loop import train
+
+# TensorFlow's, Keras's and absl's lines: Python `tensorflow` logger records
+# (and absl's copies, `I1201 12:00:00.1 ...`), native ones (`I0000 ...`,
+# `E0000 ...`), the oneDNN notice and absl's pre-initialisation warning.
+NOISE = re.compile(r"^(INFO|WARNING):tensorflow:|^[IWEF]\d{4} |oneDNN|"
+                   r"absl::InitializeLog", re.MULTILINE)
+
+
+def run_tool(module, *args, timeout=300):
+  """`python -m MODULE ARGS` in a new process, as a user's shell runs it."""
+  env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+  return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO,
+                        capture_output=True, text=True, timeout=timeout,
+                        env=env)
+
+
+def test_noise_pattern_matches_tensorflow_lines_only():
+  noise = [
+      "INFO:tensorflow:Using MirroredStrategy with devices ('/cpu:0',)",
+      "I1201 16:28:11.529495 139991024311168 mirrored_strategy.py:423] Using",
+      "W1201 16:32:11.289878 140598390995840 polymorphic_function.py:157] 5",
+      "I0000 00:00:1796142412.212884    6492 cpu_feature_guard.cc:227] This",
+      "E0000 00:00:1796142412.212884    6492 some_op.cc:1] error",
+      "2026-12-01 16:28:11 oneDNN custom operations are on.",
+      "WARNING: All log messages before absl::InitializeLog() is called are",
+  ]
+  ours = ["| run | mode | num_devices |", "plot: compare.png",
+          "## mfu (35 s)", "wrote bench.json",
+          "16:24:57 sync on 1 device (CPU:0)  |  mlp: 2,698 parameters"]
+  assert [bool(NOISE.search(line)) for line in noise] == [True] * len(noise)
+  assert [bool(NOISE.search(line)) for line in ours] == [False] * len(ours)
+
+
+def test_compare_is_quiet_unless_asked(small_config, tmp_path):
+  config = small_config(workdir=str(tmp_path / "run"))
+  train.run(config)
+  quiet = run_tool("tools.compare", config.workdir, "--plot=")
+  assert quiet.returncode == 0, quiet.stderr[-3000:]
+  header, rule, row = quiet.stdout.splitlines()
+  assert header.startswith("| run | mode |") and rule.startswith("| --- |")
+  assert row.startswith("| run | sync | 1 | 10 |")
+  assert quiet.stderr == ""
+
+  loud = run_tool("tools.compare", config.workdir, "--plot=",
+                  "--verbosity=2")
+  assert loud.returncode == 0, loud.stderr[-3000:]
+  assert loud.stdout == quiet.stdout
+  # TensorFlow's import notices and the event reader's INFO lines.
+  assert len(NOISE.findall(loud.stderr)) >= 3, loud.stderr[-3000:]
+
+
+def test_bench_shows_tensorflow_lines_when_asked(tmp_path):
+  out = tmp_path / "bench.json"
+  result = run_tool("tools.bench", "--quick", "--suite=mfu", f"--out={out}",
+                    "--verbosity=2")
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert f"wrote {out}" in result.stdout
+  # The strategy's INFO lines that the default verbosity hides, in absl's
+  # format (`I1201 16:28:11.529495 ... mirrored_strategy.py:423] Using`).
+  assert re.search(r"^I\d{4} .*\] Using MirroredStrategy", result.stderr,
+                   re.MULTILINE), result.stderr[-3000:]
+  assert not NOISE.search(result.stdout)
