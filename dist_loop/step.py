@@ -82,7 +82,9 @@ def accumulated_gradients(task: Task, model, x, y, *, chunks: int,
 
   The micro-batches run one after the other, so only one micro-batch of
   activations is alive at a time. `contributors` counts every micro-batch
-  of the update (e.g. replicas x chunks).
+  of the update (e.g. replicas x chunks). The last micro-batch runs after
+  the loop over the others, so each of its gradients is summed (and can
+  start its all-reduce) as soon as the backward pass reaches it.
   """
   kwargs = dict(examples_per_update=examples_per_update,
                 contributors=contributors, scale=scale)
@@ -91,11 +93,13 @@ def accumulated_gradients(task: Task, model, x, y, *, chunks: int,
   xs = tf.reshape(x, tf.concat([[chunks, -1], tf.shape(x)[1:]], 0))
   ys = tf.reshape(y, tf.concat([[chunks, -1], tf.shape(y)[1:]], 0))
   out, grads = gradients(task, model, xs[0], ys[0], **kwargs)
-  for i in tf.range(1, chunks):
+  for i in tf.range(1, chunks - 1):
     o, g = gradients(task, model, xs[i], ys[i], **kwargs)
     out = {k: out[k] + o[k] for k in out}
     grads = [a + b for a, b in zip(grads, g)]
-  return out, grads
+  o, g = gradients(task, model, xs[chunks - 1], ys[chunks - 1], **kwargs)
+  return ({k: out[k] + o[k] for k in out},
+          [a + b for a, b in zip(grads, g)])
 
 
 StepFn = Callable[..., Tuple[Dict[str, tf.Tensor], tf.Tensor, object]]

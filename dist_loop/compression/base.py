@@ -48,23 +48,38 @@ class Compressor(abc.ABC):
     dtypes: the gradients' dtypes (the trainable variables').
     seed: the run's seed, for any random initial state; every replica and
       every process must start from the same.
-    communication: the `CommunicationOptions` of every collective.
+    communication: the `CommunicationOptions` of every collective: the
+      bucket size (`--allreduce_bucket_mb`) if the compressor takes buckets.
     exact_steps: the trainer sums steps 0 .. `exact_steps` - 1 exactly, in
       float32, and calls `reduce` from then on (PowerSGD's warm-up).
+
+  Buckets. `all_reduce` hands the whole list to one collective call; with a
+  bucket size, TensorFlow's collective all-reduce reverses the list, cuts
+  it into packs of at least that many bytes and all-reduces each pack as
+  its own collective, ordered on every worker alike by the collective ops'
+  ordering token. A pack depends only on its own gradients, so the last
+  layers' packs travel while the first layers' gradients are still being
+  computed (PyTorch DDP's reverse-order buckets, Horovod's tensor fusion).
+  A compressor whose collectives need every gradient first (PowerSGD, top-k)
+  sets `takes_buckets = False`: the bucket size does not apply to it, and
+  asking for one explicitly is refused (`check_options`).
   """
 
   # The options of `options` that belong to this compressor: another
   # compressor's, set to a non-default value, is an error (`check_options`).
   option_names: Tuple[str, ...] = ()
   exact_steps: int = 0
+  takes_buckets = True
 
   def __init__(self, options, variables: Sequence, seed: int = 0):
     self.options = options
     self.shapes = [tf.TensorShape(v.shape) for v in variables]
     self.dtypes = [tf.as_dtype(v.dtype) for v in variables]
     self.seed = seed
+    bucket = (int(options.allreduce_bucket_mb * 2**20) if self.takes_buckets
+              else 0)
     self.communication = tf.distribute.experimental.CommunicationOptions(
-        bytes_per_pack=options.allreduce_bytes_per_pack)
+        bytes_per_pack=bucket)
 
   @classmethod
   def check(cls, options) -> None:
@@ -166,7 +181,8 @@ def check_options(options) -> None:
 
   An option of another compressor (say `--powersgd_rank` with
   `--allreduce_compression=none`) at a non-default value would be silently
-  ignored, so it is refused; at its default it is accepted.
+  ignored, so it is refused; at its default it is accepted. So is a bucket
+  size for a compressor that cannot take buckets.
 
   Raises:
     UserError: naming the fix.
@@ -174,6 +190,13 @@ def check_options(options) -> None:
   name = options.allreduce_compression
   chosen = COMPRESSORS.get(name)
   defaults = {f.name: f.default for f in dataclasses.fields(options)}
+  bucket_mb = options.allreduce_bucket_mb
+  if not chosen.takes_buckets and bucket_mb != defaults["allreduce_bucket_mb"]:
+    raise UserError(
+        f"--allreduce_bucket_mb={bucket_mb:g} does not apply to "
+        f"--allreduce_compression={name}: its collectives need every "
+        "gradient first, so it cannot send buckets during the backward pass; "
+        "drop --allreduce_bucket_mb, or use none, fp16 or bf16")
   for other in COMPRESSORS.names():
     for option in COMPRESSORS.get(other).option_names:
       value = getattr(options, option)

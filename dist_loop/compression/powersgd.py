@@ -35,6 +35,7 @@ from dist_loop.compression.base import COMPRESSORS, Compressor
 class PowerSGD(Compressor):
   """Rank-`--powersgd_rank` PowerSGD on every matrix; the rest exact."""
 
+  takes_buckets = False  # Its collectives need every gradient first.
   option_names = ("powersgd_rank", "powersgd_start_step")
   # Smaller matrices gain little and would cost two more collectives.
   MIN_ELEMENTS = 1024

@@ -26,6 +26,7 @@ INDEX_DTYPE = tf.int32
 class TopK(Compressor):
   """The largest `--topk_fraction` of each matrix, per replica."""
 
+  takes_buckets = False  # Its collectives need every gradient first.
   option_names = ("topk_fraction",)
   MIN_ELEMENTS = 1024  # As PowerSGD's: below it, the exact sum is cheap.
 

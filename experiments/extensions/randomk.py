@@ -36,6 +36,8 @@ MIN_ELEMENTS = 1024  # Smaller tensors are summed exactly.
 class RandomK(Compressor):
   """The same random FRACTION of each matrix on every replica."""
 
+  takes_buckets = False  # One packed vector of every gradient's sample.
+
   def __init__(self, options, variables, seed=0):
     super().__init__(options, variables, seed)
     sparse = [base.is_compressible(s, MIN_ELEMENTS) for s in self.shapes]

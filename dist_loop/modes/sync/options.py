@@ -7,6 +7,9 @@ from dist_loop.compression import COMPRESSORS
 from dist_loop.options import option
 from dist_loop.straggler import straggler_option
 
+# The default bucket: see `dist_loop/compression/base.py` (`Compressor`).
+BUCKET_MB = 4.0
+
 
 @dataclasses.dataclass(frozen=True)
 class SyncOptions:
@@ -16,9 +19,12 @@ class SyncOptions:
   (`compression.check_options`): it would be ignored.
   """
 
-  allreduce_bytes_per_pack: int = option(
-      0, "Pack gradients into chunks of this many bytes for the all-reduce "
-      "(0: TensorFlow decides).", lower=0)
+  allreduce_bucket_mb: float = option(
+      BUCKET_MB, "Gradients travel in buckets of at least this many MB on the "
+      "wire, each all-reduced as soon as its gradients exist, last layers "
+      "first, so communication overlaps the rest of the backward pass (0: one "
+      "bucket, after the whole backward pass). For the compressors none, "
+      "fp16 and bf16.", lower=0.0, upper=4096.0)
   allreduce_compression: str = option(
       "none", "How gradients travel through the all-reduce: none (exact), "
       "fp16 or bf16 (cast), powersgd (rank --powersgd_rank, error "

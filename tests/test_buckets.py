@@ -1,0 +1,131 @@
+"""Bucketed all-reduce in sync mode (`--allreduce_bucket_mb`).
+
+The buckets must (1) travel as several collectives, last layers first, each
+depending only on its own gradients, so that communication can overlap the
+rest of the backward pass, and (2) change nothing in the math: bucketed
+equals one bucket, alone and crossed with accumulation, bf16 on the wire,
+mixed precision and resume. The multi-process crossing is in
+test_multiworker_buckets.py.
+"""
+
+import pytest
+import tensorflow as tf
+
+from conftest import max_diff, trained_variables
+from dist_loop import configure, data, devices
+from dist_loop.cluster import Cluster
+from dist_loop.errors import UserError
+from dist_loop.modes import build_trainer
+
+TINY_BUCKET_MB = 0.001  # About 1 KB: every gradient of the test MLP its own.
+
+
+def _trainer(small_config, **overrides):
+  config = configure.validate(small_config(**overrides), Cluster())
+  names = devices.configure(config.num_devices, "cpu")
+  return build_trainer(config, names, data.load(config), Cluster())
+
+
+def _collectives(trainer):
+  """The all-reduces of one traced step, in the order they were created,
+  each with the names of every op it depends on."""
+  x, y = (tf.constant(trainer.dataset.train_x[:32]),
+          tf.constant(trainer.dataset.train_y[:32]))
+
+  @tf.function
+  def step(x, y):
+    return trainer.strategy.run(
+        lambda x, y: trainer.replica_step((x, y), None).shares, args=(x, y))
+
+  graph = step.get_concrete_function(x, y).graph
+  out = []
+  for op in graph.get_operations():
+    if (op.type != "CollectiveReduceV2"
+        or tf.DeviceSpec.from_string(op.device).device_index != 0):
+      continue  # Replica 0's only.
+    seen, stack = set(), [op]
+    while stack:
+      node = stack.pop()
+      for parent in [t.op for t in node.inputs] + list(node.control_inputs):
+        if parent.name not in seen:
+          seen.add(parent.name)
+          stack.append(parent)
+    out.append((op, seen))
+  return out
+
+
+def _gradient_of(layer, names):
+  """Whether any op among `names` is the backward pass of `layer`."""
+  return any(n.startswith("gradient_tape") and f"/{layer}" in n
+             for n in names)
+
+
+def test_buckets_travel_last_layers_first_each_on_its_own_gradients(
+    small_config):
+  trainer = _trainer(small_config, num_devices=2,
+                     allreduce_bucket_mb=TINY_BUCKET_MB)
+  collectives = _collectives(trainer)
+  trainer.close()
+  # Four gradients (two kernels, two biases), a bucket closing once it
+  # passes 1 KB: the logits layer's, then the first layer's. The first to
+  # go needs nothing of the first layer's backward pass.
+  assert len(collectives) == 2
+  first, last = collectives[0][1], collectives[-1][1]
+  assert _gradient_of("logits", first)
+  assert not _gradient_of("dense_1", first)
+  assert _gradient_of("dense_1", last)
+
+
+def test_one_bucket_waits_for_the_whole_backward_pass(small_config):
+  trainer = _trainer(small_config, num_devices=2, allreduce_bucket_mb=0.0)
+  collectives = _collectives(trainer)
+  trainer.close()
+  assert len(collectives) == 1
+  assert _gradient_of("dense_1", collectives[0][1])
+  assert _gradient_of("logits", collectives[0][1])
+
+
+def test_bucketed_equals_one_bucket(small_config):
+  one = trained_variables(small_config(num_devices=2, allreduce_bucket_mb=0))
+  bucketed = trained_variables(small_config(
+      workdir=small_config().workdir + "_b", num_devices=2,
+      allreduce_bucket_mb=TINY_BUCKET_MB))
+  assert max_diff(one, bucketed) <= 1e-6
+
+
+def test_bucketed_and_resumed_equals_one_bucket_with_accumulation_and_bf16(
+    small_config):
+  crossing = dict(num_devices=2, grad_accum_steps=2,
+                  allreduce_compression="bf16", precision="mixed_bfloat16",
+                  optimizer="adam", learning_rate=0.01)
+  one = trained_variables(small_config(allreduce_bucket_mb=0, **crossing))
+  half = small_config(workdir=small_config().workdir + "_r",
+                      allreduce_bucket_mb=TINY_BUCKET_MB, train_steps=5,
+                      checkpoint_every=5, **crossing)
+  trained_variables(half)
+  resumed = trained_variables(half.replace(train_steps=10))
+  assert max_diff(one, resumed) <= 1e-6
+
+
+@pytest.mark.parametrize("compression", ["powersgd", "topk"])
+def test_a_compressor_that_cannot_take_buckets_says_so(small_config,
+                                                       compression):
+  with pytest.raises(UserError, match="--allreduce_bucket_mb=1 does not "
+                     f"apply to --allreduce_compression={compression}"):
+    configure.validate(small_config(
+        num_devices=2, allreduce_compression=compression,
+        allreduce_bucket_mb=1.0), Cluster())
+  # At the default it runs, with its own collectives.
+  trainer = _trainer(small_config, num_devices=2,
+                     allreduce_compression=compression)
+  assert trainer.compressor.communication.bytes_per_pack == 0
+  trainer.close()
+
+
+def test_the_default_bucket_reaches_the_collectives(small_config):
+  trainer = _trainer(small_config, num_devices=2)
+  default_mb = trainer.options.allreduce_bucket_mb
+  assert default_mb > 0
+  assert (trainer.compressor.communication.bytes_per_pack
+          == int(default_mb * 2**20))
+  trainer.close()
