@@ -127,7 +127,7 @@ def test_quick_suites_write_consistent_json(tmp_path):
                                        / row["matmul peak GFLOP/s"])
 
   rows = suites["data_parallel"]["rows"]
-  assert [(r["devices"], r["bytes_per_pack"], r["compression"])
+  assert [(r["devices"], r["bucket MB"], r["compression"])
           for r in rows] == list(data_parallel.QUICK_VARIANTS)
   for r in rows:
     assert _positive(r["step ms"])

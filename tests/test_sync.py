@@ -58,7 +58,7 @@ def test_one_all_reduce_carries_every_gradient_in_the_wire_dtype(
     seen.clear()
     trainer = make_trainer(small_config(
         num_devices=2, allreduce_compression=compression,
-        allreduce_bytes_per_pack=4096))
+        allreduce_bucket_mb=0.004))
     trainer.train(5)
     # One call per traced replica step (2 replicas trace it), holding the
     # kernel and bias of both Dense layers.
