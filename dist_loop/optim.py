@@ -36,9 +36,30 @@ def adam(learning_rate):
   return keras.optimizers.Adam(learning_rate)
 
 
+@OPTIMIZERS.register("adamw")
+def adamw(learning_rate):
+  return keras.optimizers.AdamW(learning_rate)
+
+
 @OPTIMIZERS.register("rmsprop")
 def rmsprop(learning_rate):
   return keras.optimizers.RMSprop(learning_rate)
+
+
+# Optimizers whose update of each element depends only on that element's
+# weight, gradient and slots (and on scalars): the update of a slice is the
+# slice of the update, so a sharded run (`--shard`) may apply it shard by
+# shard. An extension optimizer opts in with `fn.elementwise = True`.
+for _fn in (sgd, momentum, adam, adamw, rmsprop):
+  _fn.elementwise = True
+
+
+def is_elementwise(name: str) -> bool:
+  return bool(getattr(OPTIMIZERS.get(name), "elementwise", False))
+
+
+def elementwise_names():
+  return [n for n in OPTIMIZERS.names() if is_elementwise(n)]
 
 
 def make(name: str, learning_rate: float,
@@ -88,20 +109,28 @@ def apply_reduced(optimizer: keras.optimizers.Optimizer,
 
 
 def _update(strategy, optimizer, grads, variables, ok, lr_scale=None):
-  """Cross-replica half of `apply_reduced`: one update per device copy."""
+  """Cross-replica half of `apply_reduced`: one update per device copy.
+  Decoupled weight decay (AdamW) comes first, as in Keras's `apply`."""
+  wd = getattr(optimizer, "weight_decay", None)
 
-  def update_var(var, grad, apply):
-    def do():
-      lr = tf.cast(optimizer.learning_rate, var.dtype)
-      if lr_scale is not None:
-        lr *= tf.cast(lr_scale, var.dtype)
-      optimizer.update_step(grad, var, lr)
-      return tf.constant(True)
+  def update_for(decay: bool):
+    def update_var(var, grad, apply):
+      def do():
+        lr = tf.cast(optimizer.learning_rate, var.dtype)
+        if decay:
+          var.assign_sub(var * tf.cast(wd, var.dtype) * lr)
+        if lr_scale is not None:
+          lr *= tf.cast(lr_scale, var.dtype)
+        optimizer.update_step(grad, var, lr)
+        return tf.constant(True)
 
-    return tf.cond(apply, do, lambda: tf.constant(False))
+      return tf.cond(apply, do, lambda: tf.constant(False))
+    return update_var
 
-  done = [strategy.extended.update(var, update_var, args=(grad, ok),
-                                  group=False)
+  done = [strategy.extended.update(
+      var, update_for(wd is not None
+                      and optimizer._use_weight_decay(var)),  # pylint: disable=protected-access
+      args=(grad, ok), group=False)
           for grad, var in zip(grads, variables)]
   done.append(strategy.extended.update(
       _tf_variable(optimizer.iterations),

@@ -54,7 +54,8 @@ def shares(task: Task, logits, labels, *, examples_per_update: int,
 
 def gradients(task: Task, model, x, y, *, examples_per_update: int,
               contributors: int = 1, scale: Optional[tf.Tensor] = None,
-              training: bool = True):
+              training: bool = True,
+              weights: Optional[Sequence[tf.Tensor]] = None):
   """A contributor's share (see `shares`) and the gradients of its loss.
 
   Args:
@@ -63,31 +64,44 @@ def gradients(task: Task, model, x, y, *, examples_per_update: int,
     x, y: the contributor's part of the update's batch.
     scale: float16 loss scaling: the gradients are of loss x `scale`.
     training: the model's training mode (False to probe the gradients).
+    weights: values to run the model on instead of its trainable
+      variables (`model.stateless_call`: sharded weights gathered for the
+      step); the gradients are then with respect to them. The model must
+      have no non-trainable state.
 
   Returns:
     (shares, gradients), a gradient per `model.trainable_variables`.
   """
   with tf.GradientTape() as tape:
-    logits = model(x, training=training)
+    if weights is None:
+      logits, regularization = model(x, training=training), model.losses
+      sources = model.trainable_variables
+    else:
+      tape.watch(weights)
+      logits, _, regularization = model.stateless_call(
+          list(weights), [], x, training=training, return_losses=True)
+      sources = list(weights)
     out = shares(task, logits, y, examples_per_update=examples_per_update,
-                 regularization=model.losses, contributors=contributors)
+                 regularization=regularization, contributors=contributors)
     objective = out["loss"] if scale is None else out["loss"] * scale
-  return out, tape.gradient(objective, model.trainable_variables)
+  return out, tape.gradient(objective, sources)
 
 
 def accumulated_gradients(task: Task, model, x, y, *, chunks: int,
                           examples_per_update: int, contributors: int = 1,
-                          scale: Optional[tf.Tensor] = None):
+                          scale: Optional[tf.Tensor] = None,
+                          weights: Optional[Sequence[tf.Tensor]] = None):
   """`gradients` of `chunks` equal micro-batches of (x, y), summed.
 
   The micro-batches run one after the other, so only one micro-batch of
   activations is alive at a time. `contributors` counts every micro-batch
-  of the update (e.g. replicas x chunks). The last micro-batch runs after
+  of the update (e.g. replicas x chunks); `weights` as in `gradients`.
+  The last micro-batch runs after
   the loop over the others, so each of its gradients is summed (and can
   start its all-reduce) as soon as the backward pass reaches it.
   """
   kwargs = dict(examples_per_update=examples_per_update,
-                contributors=contributors, scale=scale)
+                contributors=contributors, scale=scale, weights=weights)
   if chunks == 1:
     return gradients(task, model, x, y, **kwargs)
   xs = tf.reshape(x, tf.concat([[chunks, -1], tf.shape(x)[1:]], 0))

@@ -19,6 +19,12 @@ class SyncOptions:
   (`compression.check_options`): it would be ignored.
   """
 
+  shard: str = option(
+      "none", "Divide state among the replicas (ZeRO): none; optimizer "
+      "(stage 1: the optimizer's slots); gradients (stage 2: also the "
+      "reduced gradients); weights (stage 3: also the weights, gathered for "
+      "each step). Checkpoints are the same at every stage and replica "
+      "count.", choices=("none", "optimizer", "gradients", "weights"))
   allreduce_bucket_mb: float = option(
       BUCKET_MB, "Gradients travel in buckets of at least this many MB on the "
       "wire, each all-reduced as soon as its gradients exist, last layers "

@@ -31,6 +31,7 @@ from dist_loop.modes.base import MODES, Report, Reporting
 from dist_loop.modes.loop import LoopTrainer, StepResult
 from dist_loop.modes.mirrored import Mirrored
 from dist_loop.modes.sync.options import SyncOptions
+from dist_loop.sharding import accounting, zero
 
 _EXACT, _COMPRESSED = "exact", "compressed"  # The loop variants.
 
@@ -51,6 +52,7 @@ class SyncTrainer(Mirrored, LoopTrainer, Reporting):
     straggler_lib.check(config.mode_options.straggler,
                         cls.num_replicas(config, cluster), "replicas")
     compression.check_options(config.mode_options)
+    zero.check(config, config.mode_options)
 
   def __init__(self, config, devices, dataset, cluster):
     super().__init__(config, devices, dataset, cluster)
@@ -59,14 +61,27 @@ class SyncTrainer(Mirrored, LoopTrainer, Reporting):
     # Every micro-batch of every replica is one share of the step.
     self.contributors = (self.strategy.num_replicas_in_sync
                          * config.grad_accum_steps)
+    self.sharding = None
+    if self.options.shard == "weights":
+      # Stage 3 keeps no full weights on the devices: the model is a host
+      # copy for evaluation and checkpoints (`sharding/zero.py`).
+      with tf.device("CPU:0"):
+        self.model = models.build_for(config, dataset)
     with self.strategy.scope():
-      self.model = models.build_for(config, dataset)
-      self.optimizer = optim.make(config.optimizer, config.learning_rate,
-                                  self.model.trainable_variables)
+      if self.options.shard != "weights":
+        self.model = models.build_for(config, dataset)
+      if self.options.shard == "none":
+        self.optimizer = optim.make(config.optimizer, config.learning_rate,
+                                    self.model.trainable_variables)
       self.loss_scale = precision_lib.make_loss_scale(config.precision)
       self.step = tf.Variable(
           0, dtype=tf.int64, trainable=False, name="step",
           aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+    if self.options.shard != "none":
+      self.sharding = zero.Sharding(
+          self.options.shard, self.strategy, self.model, config.optimizer,
+          config.learning_rate, self.options.allreduce_bucket_mb)
+      self.optimizer = self.sharding.optimizer
     variables = self.model.trainable_variables
     self.compressor = compression.make(self.options, variables, config.seed)
     self.exact = compression.COMPRESSORS.get("none")(self.options, variables)
@@ -91,6 +106,13 @@ class SyncTrainer(Mirrored, LoopTrainer, Reporting):
 
   def before_train(self):
     self.compression_state.apply()  # After a restore: each replica's own.
+    if self.sharding is not None:
+      self.sharding.before_train()
+
+  def on_restore(self):
+    super().on_restore()
+    if self.sharding is not None:
+      self.sharding.on_restore()
 
   # -- the step: a function of (batch) on the replica's variables --
 
@@ -105,11 +127,17 @@ class SyncTrainer(Mirrored, LoopTrainer, Reporting):
     compressor = self.exact if variant == _EXACT else self.compressor
     variables = self.model.trainable_variables
     scale = self.loss_scale.scale if self.loss_scale is not None else None
+    weights = self.sharding.weights() if self.sharding else None
     shares, grads = step_core.accumulated_gradients(
         self.task, self.model, x, y, chunks=self.config.grad_accum_steps,
         examples_per_update=self.examples_per_step,
-        contributors=self.contributors, scale=scale)
+        contributors=self.contributors, scale=scale, weights=weights)
     grads = [tf.convert_to_tensor(g) for g in grads]  # Embeddings: dense.
+    if self.sharding is not None:
+      ok, norm = self.sharding.apply(
+          grads, lambda g: compressor.reduce(g, {}, self.step)[0],
+          self.loss_scale, scale)
+      return StepResult(shares, ok, {"grad_norm": norm})
     # The warm-up's exact sum (`self.exact`) neither reads nor moves it.
     stateful = compressor is self.compressor and bool(self.compression_state)
     state = self.compression_state.read() if stateful else {}
@@ -126,6 +154,8 @@ class SyncTrainer(Mirrored, LoopTrainer, Reporting):
   def train(self, num_steps: int) -> Dict[str, float]:
     t0, traces = time.perf_counter(), self.trace_count
     metrics = super().train(num_steps)
+    if self.sharding is not None:  # Evaluation and checkpoints read it.
+      self.sharding.refresh()
     if self.straggler is not None and self.trace_count == traces:
       # A sync step waits for its slowest replica, so one straggler slows
       # every step; tracing time is not compute, so a traced call is skipped.
@@ -133,15 +163,24 @@ class SyncTrainer(Mirrored, LoopTrainer, Reporting):
           self.straggler.worker, time.perf_counter() - t0))
     return metrics
 
-  # -- Reporting: bytes on the wire --
+  # -- Reporting: bytes on the wire, memory held --
 
   def report(self) -> Report:
-    step = int(self.step.numpy())
-    return Report(scalars=compression.wire.scalars(
-        self.compressor.bytes_at(max(step - 1, 0)), self.float32_bytes))
+    wire = accounting.wire(self, int(self.step.numpy()))
+    scalars = compression.wire.scalars(wire.handed, self.float32_bytes)
+    scalars["comm/ring_bytes_per_step"] = wire.ring
+    scalars.update(accounting.memory(self))
+    return Report(scalars=scalars)
 
   def summary(self) -> Dict[str, object]:
     step = int(self.step.numpy())
-    total = self.compressor.bytes_total(step)
-    per_step = total / step if step else self.compressor.bytes_at(0)
-    return compression.wire.summary(per_step, total, self.float32_bytes)
+    wire = accounting.wire(self, step)
+    total = (self.compressor.bytes_total(step)
+             + wire.gathers_per_step * wire.shard_bytes * step)
+    per_step = total / step if step else wire.handed
+    out = compression.wire.summary(per_step, total, self.float32_bytes)
+    out["allreduce_ring_bytes_per_step"] = wire.ring
+    out["shard"] = self.options.shard
+    out.update({k.replace("/", "_"): v
+                for k, v in accounting.memory(self).items()})
+    return out
