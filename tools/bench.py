@@ -6,7 +6,9 @@ r"""All benchmarks, side by side in one process run.
 Keras fit and a bare loop), mfu (training FLOP/s against the matmul peak),
 data_parallel (1/2/4 devices, packing, compression), async (stragglers),
 pipeline (micro-batches and schedules), comm (bytes on the wire against
-accuracy: compression, local SGD, DiLoCo), or `all`. Prints a markdown table
+accuracy: compression, local SGD, DiLoCo), scale (1 worker against 2 pinned
+worker processes and one process on the same cores), memory (sharded state
+per device against ZeRO's formulas), or `all`. Prints a markdown table
 per suite and writes everything, with the machine it ran on, to `--out` as
 JSON.
 `--quick` uses tiny sizes: a smoke run of the harness, not numbers to quote.
@@ -37,6 +39,8 @@ SUITES = {  # name -> module with run(quick) -> {"rows": [...], "table": str}
     "async": "tools.benchmarks.async_bench",
     "pipeline": "tools.benchmarks.pipeline_bench",
     "comm": "tools.benchmarks.comm_bench",
+    "scale": "tools.benchmarks.scale_bench",
+    "memory": "tools.benchmarks.memory_bench",
 }
 # The in-process suites share one TensorFlow runtime: start it with enough
 # logical devices for all of them (the pipeline suite runs in subprocesses).

@@ -36,10 +36,6 @@ def _bytes(variables) -> int:
              for v in variables)
 
 
-def optimizer_bytes_per_parameter(slot_bytes: float, parameters: int) -> float:
-  return slot_bytes / max(parameters, 1)
-
-
 def zero_formula(stage: str, parameters: int, replicas: int,
                  k: float) -> float:
   """ZeRO's bytes per device (float32 weights and gradients)."""
@@ -67,7 +63,8 @@ def memory(trainer) -> Dict[str, float]:
     slots = _bytes(state.slots)
     weights = shard + (0 if stage == "weights" else full)
     gradients = full if stage == "optimizer" else shard
-    k = slots * replicas / max(parameters, 1)
+    # Float32 slots per parameter, unpadded (Adam: 2 slots, K = 8).
+    k = 4.0 * len(state.slots) / max(len(state.shards), 1)
     padding = 4 * state.layout.padding // replicas
     transient = full if stage == "weights" else 0
   held = weights + gradients + slots

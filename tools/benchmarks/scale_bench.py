@@ -50,6 +50,9 @@ VARIANTS = {
     "bf16 wire, buckets": dict(allreduce_compression="bf16"),
     "powersgd r=4": dict(allreduce_compression="powersgd", powersgd_rank=4),
     "DiLoCo H=16": DILOCO,
+    "ZeRO-1 (--shard=optimizer)": dict(shard="optimizer"),
+    "ZeRO-2 (--shard=gradients)": dict(shard="gradients"),
+    "ZeRO-3 (--shard=weights)": dict(shard="weights"),
 }
 REFERENCE = "float32, one bucket"  # The 1-worker group trains only this.
 # name: (flags, per-worker batch, steps per timing: a multiple of H).

@@ -13,6 +13,8 @@ the process groups in interleaved rounds while the others wait idle:
 * `{"cmd": "train", "name": N, "steps": S}`: trains S steps; answers the
   seconds;
 * `{"cmd": "parameters", "name": N}`: the trainable floats of its model;
+* `{"cmd": "memory", "name": N}`: what a sync trainer holds per device,
+  and the process's peak RSS (without a name: the RSS alone);
 * `{"cmd": "allreduce", "floats": F, "bucket_mb": B, "reps": R}`: the median
   seconds of one all-reduce of F float32 values in buckets of B MB, alone;
 * `{"cmd": "exit"}`.
@@ -75,6 +77,17 @@ class Worker:
     model = self.trainers[name].model
     return {"parameters": int(sum(np.prod(v.shape)
                                   for v in model.trainable_variables))}
+
+  def memory(self, name=None):
+    """What a sync trainer holds per device (`sharding.accounting`), and
+    this process's peak resident set size so far."""
+    import resource  # pylint: disable=g-import-not-at-top
+    out = {"peak_rss_mb": resource.getrusage(
+        resource.RUSAGE_SELF).ru_maxrss / 1024.0}
+    if name is not None:
+      from dist_loop.sharding import accounting  # pylint: disable=g-import-not-at-top
+      out.update(accounting.memory(self.trainers[name]))
+    return out
 
   def train(self, name, steps):
     t0 = time.perf_counter()

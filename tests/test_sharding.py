@@ -1,0 +1,274 @@
+"""Sharded sync (`--shard`, ZeRO stages 1-3): the same training, less state.
+
+Every stage must equal unsharded sync (to 1e-6) whatever the optimizer,
+precision and replica count; its checkpoints must be those of an unsharded
+run (restore either way, at another replica count, in another mode); and it
+must hold what ZeRO's formulas say. Trainers are driven directly where the
+controller adds nothing, so the matrix stays cheap.
+"""
+
+import json
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conftest import checkpoint_variables, max_diff, trained_variables
+from dist_loop import configure, models, optim, train
+from dist_loop.cluster import Cluster
+from dist_loop.errors import NonFiniteError, UserError
+from dist_loop.sharding import accounting, layout
+from experiments.extensions import single_device  # pylint: disable=unused-import
+from test_sync import make_trainer, variables
+
+STAGES = ("optimizer", "gradients", "weights")
+# Each stage against SGD and Adam, float32 and bfloat16, 2 and 4 replicas:
+# every pair of values meets (a Latin square per stage), plus float16 loss
+# scaling, accumulation and bf16 on the wire.
+MATRIX = [
+    (stage, opt, precision, replicas, extra)
+    for stage in STAGES
+    for opt, precision, replicas, extra in (
+        ("sgd", "float32", 2, {}),
+        ("sgd", "mixed_bfloat16", 4, {"grad_accum_steps": 2}),
+        ("adam", "float32", 4, {"allreduce_compression": "bf16"}),
+        ("adam", "mixed_bfloat16", 2, {}),
+    )
+] + [("gradients", "adam", "mixed_float16", 2, {})]
+_references = {}
+
+
+def _trained(config, steps=8):
+  trainer = make_trainer(config)
+  trainer.train(steps // 2)
+  trainer.train(steps - steps // 2)
+  out = variables(trainer)
+  trainer.close()
+  return out
+
+
+@pytest.mark.parametrize("stage,opt,precision,replicas,extra", MATRIX)
+def test_each_stage_equals_unsharded(small_config, stage, opt, precision,
+                                     replicas, extra):
+  flat = dict(num_devices=replicas, optimizer=opt, precision=precision,
+              learning_rate=0.05, **extra)
+  key = json.dumps(flat, sort_keys=True)
+  if key not in _references:
+    _references[key] = _trained(small_config(**flat))
+  sharded = _trained(small_config(shard=stage, **flat))
+  assert max_diff(_references[key], sharded) <= 1e-6
+
+
+def test_adamw_decays_and_shards_alike(small_config):
+  plain = _trained(small_config(num_devices=2, optimizer="sgd"))
+  unsharded = _trained(small_config(num_devices=2, optimizer="adamw"))
+  sharded = _trained(small_config(num_devices=2, optimizer="adamw",
+                                  shard="weights"))
+  assert max_diff(unsharded, sharded) <= 1e-6
+  assert max_diff(plain, unsharded) > 1e-3
+
+
+def test_layout_pads_and_assembles():
+  shapes = [tf.TensorShape([3, 5]), tf.TensorShape([7]), tf.TensorShape([2])]
+  lay = layout.Layout(shapes, 4)
+  assert lay.shard_sizes == [4, 2, 1] and lay.offsets == [0, 4, 6]
+  assert lay.padding == 16 - 15 + 8 - 7 + 4 - 2
+  values = [tf.reshape(tf.range(15.0), [3, 5]), tf.range(7.0) + 100,
+            tf.constant([7.0, 8.0])]
+  flats = [tf.concat([lay.shard(i, v, r) for i, v in enumerate(values)], 0)
+           for r in range(4)]
+  for i, v in enumerate(values):
+    np.testing.assert_array_equal(lay.assemble(tf.concat(flats, 0), [0, 1, 2])
+                                  [i], v)
+  # A bucket of the second and third variables only.
+  part = tf.concat([f[4:] for f in flats], 0)
+  out = lay.assemble(part, [1, 2])
+  np.testing.assert_array_equal(out[0], values[1])
+  np.testing.assert_array_equal(out[1], values[2])
+
+
+# -- checkpoints --
+
+
+def _run(small_config, workdir, steps, **flat):
+  config = small_config(workdir=workdir, train_steps=steps,
+                        checkpoint_every=3, eval_every=3, steps_per_loop=3,
+                        log_every=3, allow_config_change=True,
+                        optimizer="adam", **flat)
+  return trained_variables(config)
+
+
+def test_checkpoints_move_between_stages_replica_counts_and_modes(
+    small_config, tmp_path):
+  # Another replica count sums the shares in another order: the tolerance
+  # of N devices = 1 device.
+  reference = _run(small_config, str(tmp_path / "ref"), 9, num_devices=2)
+  # Sharded on 4 -> unsharded on 2 -> sharded on 2, stage 1.
+  chain = str(tmp_path / "chain")
+  _run(small_config, chain, 3, num_devices=4, shard="weights")
+  _run(small_config, chain, 6, num_devices=2)
+  assert max_diff(reference, _run(small_config, chain, 9, num_devices=2,
+                                  shard="optimizer")) <= 1e-5
+  # A sharded checkpoint resumes in another mode.
+  other = str(tmp_path / "other")
+  _run(small_config, other, 6, num_devices=4, shard="gradients")
+  assert max_diff(reference, _run(small_config, other, 9, num_devices=1,
+                                  mode="single_device")) <= 1e-5
+
+
+def test_resumed_equals_uninterrupted(small_config, tmp_path):
+  for stage in STAGES:
+    reference = _run(small_config, str(tmp_path / f"{stage}_ref"), 6,
+                     num_devices=2, shard=stage)
+    resumed = str(tmp_path / stage)
+    _run(small_config, resumed, 3, num_devices=2, shard=stage)
+    assert max_diff(reference, _run(small_config, resumed, 6, num_devices=2,
+                                    shard=stage)) <= 1e-6, stage
+
+
+def test_a_sharded_checkpoint_is_an_unsharded_one(small_config, tmp_path):
+  """The same names, shapes and values, slot for slot."""
+  keys = {}
+  for stage in ("none", "weights"):
+    workdir = str(tmp_path / stage)
+    _run(small_config, workdir, 3, num_devices=4, shard=stage)
+    path = tf.train.latest_checkpoint(os.path.join(workdir, "checkpoints"))
+    keys[stage] = {name: tf.train.load_variable(path, name)
+                   for name, _ in tf.train.list_variables(path)
+                   if name.startswith(("optimizer/", "model/"))}
+  assert sorted(keys["none"]) == sorted(keys["weights"])
+  assert any("_variables/5" in k for k in keys["none"])  # Slots are there.
+  for name, value in keys["none"].items():
+    np.testing.assert_allclose(keys["weights"][name], value, atol=1e-6,
+                               err_msg=name)
+
+
+def test_restore_reloads_the_shards(small_config, tmp_path):
+  """What a rollback does: restore mid-run, then train on."""
+  config = small_config(num_devices=2, shard="gradients", optimizer="adam",
+                        workdir=str(tmp_path / "r"))
+  trainer = make_trainer(config)
+  trainer.train(3)
+  checkpoint = tf.train.Checkpoint(**trainer.checkpoint_items())
+  path = checkpoint.write(str(tmp_path / "ckpt"))
+  trainer.train(3)
+  first = variables(trainer)
+  checkpoint.read(path).assert_consumed()
+  trainer.on_restore()
+  trainer.train(3)
+  assert max_diff(first, variables(trainer)) <= 1e-6
+  trainer.close()
+
+
+# -- crossings --
+
+
+def test_skipped_steps_leave_shards_and_model_alone(small_config):
+  from test_sync import _nan_dataset  # pylint: disable=g-import-not-at-top
+  del _nan_dataset  # Registers the "test_nan" dataset.
+  config = small_config(num_devices=2, shard="weights", dataset="test_nan",
+                        nonfinite="skip")
+  trainer = make_trainer(config)
+  before = variables(trainer)
+  metrics = trainer.train(4)
+  assert metrics["train/skipped_steps"] == 4
+  assert "train/loss" not in metrics  # Never a loss of 0.
+  assert max_diff(before, variables(trainer)) == 0
+  trainer.close()
+
+
+def test_max_loss_stops_a_sharded_step(small_config):
+  trainer = make_trainer(small_config(num_devices=2, shard="optimizer",
+                                      max_loss=1e-3))
+  with pytest.raises(NonFiniteError) as error:
+    trainer.train(3)
+  assert error.value.step == 1
+  trainer.close()
+
+
+def test_deterministic_sharded_runs_repeat(small_config):
+  runs = [_trained(small_config(num_devices=2, shard="weights",
+                                deterministic=True, optimizer="adam"))
+          for _ in range(2)]
+  assert max_diff(*runs) == 0
+
+
+@pytest.mark.parametrize("flat,match", [
+    (dict(allreduce_compression="powersgd"), "cannot be combined with "
+     "--allreduce_compression=powersgd"),
+    (dict(allreduce_compression="topk"), "--allreduce_compression=topk"),
+    (dict(optimizer="sharded_test_nonelementwise"), "element-wise"),
+])
+def test_refusals_name_the_fix(small_config, flat, match):
+  if "sharded_test_nonelementwise" not in optim.OPTIMIZERS.names():
+    optim.OPTIMIZERS.register("sharded_test_nonelementwise")(
+        lambda lr: keras.optimizers.Lion(lr))
+  with pytest.raises(UserError, match=match):
+    configure.validate(small_config(num_devices=2, shard="gradients",
+                                    **flat), Cluster())
+
+
+def test_stage_three_refuses_non_trainable_state(small_config):
+  if "sharded_test_bn" not in models.MODELS.names():
+    models.MODELS.register("sharded_test_bn")(
+        lambda input_shape, num_classes: [
+            keras.layers.Flatten(), keras.layers.Dense(8),
+            keras.layers.BatchNormalization(),
+            keras.layers.Dense(num_classes)])
+  config = small_config(num_devices=2, shard="weights",
+                        model="sharded_test_bn")
+  with pytest.raises(UserError, match="non-trainable state.*--shard=gradients"):
+    make_trainer(config)
+
+
+# -- what a replica holds and sends --
+
+
+def test_memory_and_bytes_follow_the_formulas(small_config):
+  seen = {}
+  for stage in ("none",) + STAGES:
+    trainer = make_trainer(small_config(num_devices=4, shard=stage,
+                                        optimizer="adam"))
+    trainer.train(2)
+    report = trainer.report().scalars
+    seen[stage] = report
+    trainer.close()
+  psi = seen["none"]["memory/weights_mb"]
+  # Unsharded Adam: 4 + 4 + 8 bytes per parameter, as ZeRO counts.
+  assert seen["none"]["memory/held_mb"] == pytest.approx(4 * psi)
+  assert seen["none"]["memory/optimizer_mb"] == pytest.approx(2 * psi)
+  for stage in STAGES:
+    got = seen[stage]
+    # The slots are divided by 4, up to padding.
+    assert got["memory/optimizer_mb"] == pytest.approx(
+        2 * psi / 4 + 2 * got["memory/padding_mb"], rel=1e-3)
+    # Held = the formula + what the run adds: the float32 shard of stages
+    # 1 and 2, and the padding of each shard held (weights, slots, and the
+    # gradient's from stage 2 on).
+    extra = 0.0 if stage == "weights" else psi / 4
+    padded = 3 if stage == "optimizer" else 4
+    assert got["memory/held_mb"] == pytest.approx(
+        got["memory/zero_formula_mb"] + extra
+        + padded * got["memory/padding_mb"], rel=1e-6)
+  held = [seen[s]["memory/held_mb"] for s in ("none",) + STAGES]
+  assert held == sorted(held, reverse=True) and held[-1] < held[0] / 3
+  # Ring bytes: an all-reduce standing in for a reduce-scatter, and one
+  # gather of the weights: 1.5x plain data parallelism (stage 3 adds the
+  # host copy's gather once per loop of 5 steps).
+  ring = seen["none"]["comm/ring_bytes_per_step"]
+  assert seen["optimizer"]["comm/ring_bytes_per_step"] == pytest.approx(
+      1.5 * ring, rel=1e-2)
+  assert seen["weights"]["comm/ring_bytes_per_step"] == pytest.approx(
+      (1.5 + 0.5 / 5) * ring, rel=1e-2)
+  assert accounting.zero_formula("weights", 100, 4, 8) == 400
+
+
+def test_summary_json_reports_memory(small_config):
+  config = small_config(num_devices=2, shard="gradients")
+  summary = train.run(config)
+  with open(os.path.join(config.workdir, "summary.json")) as f:
+    assert json.load(f)["memory_held_mb"] == summary["memory_held_mb"]
+  assert summary["shard"] == "gradients"
+  assert summary["memory_gradients_mb"] < summary["memory_weights_mb"]
