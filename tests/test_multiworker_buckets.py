@@ -1,14 +1,16 @@
-"""Bucketed all-reduce across processes equals one bucket in one process.
+"""Buckets and sharding across processes equal one process.
 
 Two workers (MultiWorkerMirroredStrategy over localhost gRPC) train with
 small buckets, gradient accumulation, bfloat16 on the wire and in compute,
-stop half way and resume; one process with two devices trains the same
-steps uninterrupted in one bucket. The math must not change. One launch
-pair, crossing everything at once: multi-process tests are the suite's
-slowest.
+stop half way and resume, unsharded and with ZeRO-3; one process with two
+devices trains the same steps uninterrupted, unsharded, in one bucket. The
+math must not change. Each case is one launch pair crossing everything at
+once: multi-process tests are the suite's slowest.
 """
 
 import sys
+
+import pytest
 
 from conftest import checkpoint_variables, max_diff, run_launch, \
     trained_variables
@@ -26,12 +28,14 @@ def _flags(**overrides):
   return [f"--{k}={v}" for k, v in {**RUN, **overrides}.items()]
 
 
-def test_two_workers_in_buckets_with_resume_equal_one_process(tmp_path):
+@pytest.mark.parametrize("shard", ["none", "weights"])
+def test_two_workers_in_buckets_with_resume_equal_one_process(tmp_path,
+                                                              shard):
   workdir = tmp_path / "workers"
   for steps in (3, 6):  # The second launch resumes from step 3.
     result = run_launch(
         "--num_workers=2", "--", sys.executable, "-m", "experiments.train",
-        *_flags(train_steps=steps, num_devices=1,
+        *_flags(train_steps=steps, num_devices=1, shard=shard,
                 allreduce_bucket_mb=BUCKET_MB), f"--workdir={workdir}")
     assert result.returncode == 0, result.stdout[-3000:]
   # Resumed at step 3: the second launch logged step 6 only.
