@@ -55,7 +55,8 @@ class Plan:
   chosen: Candidate
   candidates: Tuple[Candidate, ...]  # Every one, as predicted.
   skipped: Tuple[Tuple[str, str], ...]  # (name, why it cannot run).
-  initial_weights: Optional[List[np.ndarray]]  # The probe's.
+  # The probe's; None once the placed model has them.
+  initial_weights: Optional[List[np.ndarray]]
 
 
 def plan(config, dataset, devices: Sequence[str],
