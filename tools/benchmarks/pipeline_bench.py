@@ -32,7 +32,7 @@ from tools.benchmarks import pipeline_worker
 GLOBAL_BATCH = 1024
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "auto")
 # A wider MLP (`pipeline_worker.wide_mlp`), to compare the schedules.
-WIDE = {"model": "bench_wide_mlp", "batch": 512, "m": 8}
+WIDE = {"model": pipeline_worker.WIDE_MLP, "batch": 512, "m": 8}
 ROUNDS, STEPS = 5, 6
 COLUMNS = ("model", "schedule", "stages", "microbatches", "virtual_stages",
            "step_s_measured", "spread", "step_s_predicted",

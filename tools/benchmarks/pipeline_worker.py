@@ -9,6 +9,10 @@ stdin and answers with one JSON line; any other line ends it with the
 pipelines' predictions and last measured timelines. `Worker` is the
 parent's end of those pipes (`pipeline_bench.run` drives several in turn,
 so each measures while the others are idle).
+
+A worker's terminal is quiet (`dist_loop/console.py` at verbosity -1: our
+warnings and errors, no one else's below an error): the benchmark's lines
+are the parent's table.
 """
 
 import json
@@ -18,16 +22,14 @@ import sys
 import time
 from typing import Dict
 
-import keras
-
-from dist_loop.models import MODELS
+WIDE_MLP = "bench_wide_mlp"
 
 
-@MODELS.register("bench_wide_mlp")
 def wide_mlp(input_shape, num_classes):
   """A projection to 1024, then eight Dense(1024): four times deep_mlp's work
   per layer, and as many heavy layers as 2, 4 or 8 chunks can share
   evenly."""
+  import keras  # pylint: disable=g-import-not-at-top
   del input_shape
   return ([keras.layers.Flatten(name="flatten"),
            keras.layers.Dense(1024, activation="relu", name="dense_in")]
@@ -37,6 +39,7 @@ def wide_mlp(input_shape, num_classes):
 
 
 def _trainer(names, spec, variant):
+  import keras  # pylint: disable=g-import-not-at-top
   from tools.benchmarks import common  # pylint: disable=g-import-not-at-top
   flat = dict(dataset="synthetic", model=variant["model"],
               global_batch_size=variant["batch"], optimizer="sgd",
@@ -54,8 +57,13 @@ def _trainer(names, spec, variant):
 
 def serve(spec: Dict) -> None:
   """Builds `spec`'s variants, then answers rounds on stdin (above)."""
+  from dist_loop import console  # pylint: disable=g-import-not-at-top
+  console.start(-1)  # Imports TensorFlow, quietly.
+  console.setup(-1)
   from dist_loop import devices  # pylint: disable=g-import-not-at-top
+  from dist_loop.models import MODELS  # pylint: disable=g-import-not-at-top
   from dist_loop.modes.pipeline import timeline  # pylint: disable=g-import-not-at-top
+  MODELS.register(WIDE_MLP)(wide_mlp)
   names = devices.configure(spec["devices"], "cpu", spec["intra"],
                             spec["inter"])
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
