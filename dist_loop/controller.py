@@ -20,7 +20,7 @@ Of a trainer it uses `train`, `step` and `examples_per_step`.
 
 import contextlib
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Sequence
 
 from absl import logging
 

@@ -145,9 +145,9 @@ def _inputs(config, trainer, dataset, checkpointer, summaries, summary_path,
             summary_parts, previous) -> actions.Inputs:
   """What the actions need, taken from the trainer here and only here."""
   task = tasks.for_dataset(dataset)
-  reporter = trainer if isinstance(trainer, Reporting) else None
-  if reporter is not None:
-    summary_parts = [*summary_parts, reporter.summary]
+  reporting = isinstance(trainer, Reporting)
+  if reporting:
+    summary_parts = [*summary_parts, trainer.summary]
   optimizer = trainer.optimizer
   return actions.Inputs(
       summaries=summaries,
@@ -168,7 +168,7 @@ def _inputs(config, trainer, dataset, checkpointer, summaries, summary_path,
       # One callable for the whole run: `on_master` traces once per callable.
       probe_gradients=functools.partial(
           trainer.on_master, functools.partial(probe_gradients, task)),
-      reporter=reporter,
+      report=trainer.report if reporting else None,
       tokens_per_example=task.predictions_per_example(dataset.train_y),
       summary_path=summary_path,
       summary_parts=summary_parts,

@@ -159,7 +159,7 @@ def inputs(trainer, log, summaries, checkpointer, evaluator=None,
       scope=trainer.scope, checkpointer=checkpointer,
       metric_names=METRICS, reported_names=REPORTED,
       learning_rate=lambda: trainer.learning_rate, devices=trainer.devices,
-      reporter=trainer if isinstance(trainer, Reporting) else None,
+      report=trainer.report if isinstance(trainer, Reporting) else None,
       summary_path=summary_path)
   fields.update(overrides)
   return actions.Inputs(**fields)

@@ -25,12 +25,12 @@ def _loop(start, end, loss=None, skipped=0, seconds=1.0, **metrics):
                       seconds, skipped)
 
 
-def _log(summaries, previous=None, reporter=None, metric_names=("loss",
-                                                               "accuracy")):
+def _log(summaries, previous=None, report=None,
+         metric_names=("loss", "accuracy")):
   return actions.Log(10, 100, summaries, metric_names=metric_names,
                      reported_names=("loss", "accuracy", "perplexity"),
                      learning_rate=lambda: 0.5, devices=["/device:CPU:0"],
-                     reporter=reporter, previous=previous)
+                     report=report, previous=previous)
 
 
 @pytest.fixture(name="lines")
@@ -124,7 +124,7 @@ def test_log_asks_the_reporter_at_each_line():
   summaries = FakeSummaries([])
   trainer = ReportingTrainer([])
   trainer.value = 7
-  log = _log(summaries, reporter=trainer)
+  log = _log(summaries, report=trainer.report)
   log.observe(_loop(0, 10, loss=1.0))
   log(10)
   assert summaries.scalar["fake/running"] == {10: 7.0}

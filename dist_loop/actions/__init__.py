@@ -41,7 +41,7 @@ class Inputs:
     model: the model holding the master variables (histograms).
     probe_batch: a fixed batch (x, y) of training examples (histograms).
     probe_gradients: `(model, x, y) -> gradients` on the master variables.
-    reporter: the trainer if it subclasses `Reporting`, else None.
+    report: the mode's `Reporting.report`, asked at each log line, or None.
     tokens_per_example: predictions per example (tokens per second).
     summary_path: where summary.json goes, or None (not the chief).
     summary_parts: more summary.json entries (the mode's, the rollbacks).
@@ -59,7 +59,7 @@ class Inputs:
   model: Any = None
   probe_batch: Optional[Tuple[Any, Any]] = None
   probe_gradients: Optional[Callable] = None
-  reporter: Any = None
+  report: Optional[Callable[[], Any]] = None
   tokens_per_example: int = 1
   summary_path: Optional[str] = None
   summary_parts: Sequence[Part] = ()
@@ -76,7 +76,7 @@ def standard(config, inputs: Inputs) -> List[Action]:
             metric_names=inputs.metric_names,
             reported_names=inputs.reported_names,
             learning_rate=inputs.learning_rate, devices=inputs.devices,
-            reporter=inputs.reporter,
+            report=inputs.report,
             tokens_per_example=inputs.tokens_per_example,
             previous=inputs.previous)
   out.append(log)

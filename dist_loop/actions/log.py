@@ -38,7 +38,7 @@ class Log(Action):
       such as `bits_per_byte`): summary.json's `train_<name>` entries.
     learning_rate: returns the optimizer's current learning rate.
     devices: the run's devices (peak memory).
-    reporter: the trainer if it subclasses `Reporting`, else None.
+    report: the mode's `Reporting.report` (returns a `Report`), or None.
     tokens_per_example: predictions per example; above 1 the line shows
       tokens per second.
     previous: the summary.json an earlier run left in the workdir, or {}:
@@ -50,7 +50,8 @@ class Log(Action):
   def __init__(self, every: int, train_steps: int, summaries, *,
                metric_names: Sequence[str], reported_names: Sequence[str],
                learning_rate: Callable[[], float], devices: Sequence[str],
-               reporter=None, tokens_per_example: int = 1,
+               report: Optional[Callable[[], object]] = None,
+               tokens_per_example: int = 1,
                previous: Optional[Mapping[str, object]] = None):
     self.every = every
     self._train_steps = train_steps
@@ -59,7 +60,7 @@ class Log(Action):
     self._reported_names = tuple(reported_names)
     self._learning_rate = learning_rate
     self._devices = devices
-    self._reporter = reporter
+    self._report = report
     self._tokens_per_example = tokens_per_example
     previous = {k: float(v) for k, v in (previous or {}).items()
                 if isinstance(v, (int, float)) and not isinstance(v, bool)}
@@ -124,8 +125,8 @@ class Log(Action):
         **means, **rates, "train/learning_rate": self._learning_rate(),
         "nonfinite/skipped_steps": self._skipped_total,
         **peak_memory_mb(self._devices)})
-    if self._reporter is not None:
-      report = self._reporter.report()
+    if self._report is not None:
+      report = self._report()
       self._summaries.scalars(step, report.scalars)
       self._summaries.histograms(step, report.histograms)
       self._summaries.images(step, report.images)
