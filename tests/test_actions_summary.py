@@ -36,7 +36,6 @@ def test_summary_totals_exclude_the_first_loop_which_traces(tmp_path):
   assert written["final_step"] == 20 and written["skipped_steps"] == 3
   assert written["examples_per_sec"] == pytest.approx(19 * 8 / 5)
   assert written["updates_per_sec"] == pytest.approx(16 / 5)
-  assert written["wall_time_s"] >= 0
   assert summaries.final_summary == action.written
   # With one loop, it is all there is.
   alone, _ = _summary(tmp_path / "alone")
