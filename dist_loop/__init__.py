@@ -12,7 +12,7 @@ import os
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
 from dist_loop.config import Config  # pylint: disable=g-import-not-at-top
-from dist_loop.errors import NonFiniteError, UserError
+from dist_loop.errors import DivergedError, NonFiniteError, UserError
 
 
 def make_config(**fields):
@@ -27,4 +27,5 @@ def run(config, flags_text=None, cluster=None):
   return train.run(config, flags_text, cluster)
 
 
-__all__ = ["Config", "NonFiniteError", "UserError", "make_config", "run"]
+__all__ = ["Config", "DivergedError", "NonFiniteError", "UserError",
+           "make_config", "run"]

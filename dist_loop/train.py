@@ -7,30 +7,39 @@ an existing run exactly as it was. The run holds the workdir's lock from
 before TensorFlow's devices are configured to the end. The latest readable
 checkpoint is restored before flags.txt is written; then the controller
 takes over. The cluster (`TF_CONFIG`) is read once, here, and passed down.
+
+This is also where the actions get what they need from the trainer
+(`actions.Inputs`), and where a run that finished diverged becomes a
+`DivergedError`, after its checkpoint and summary.json are written.
 """
 
+import functools
+import json
 import os
-from typing import Dict, Optional
+from typing import Dict, Mapping, Optional
 
 import keras
 import tensorflow as tf
 from absl import logging
 
 from dist_loop import actions, checkpoints, configure, console, data
-from dist_loop import devices, tasks
+from dist_loop import devices, divergence, tasks
 from dist_loop import cluster as cluster_lib
 from dist_loop import preemption
 from dist_loop import workdir as workdir_lib
 from dist_loop.config import Config
 from dist_loop.controller import Controller
-from dist_loop.errors import UserError
-from dist_loop.evaluation import Evaluator
+from dist_loop.errors import DivergedError, Interrupted, UserError
+from dist_loop.evaluation import Evaluator, probe_gradients
 from dist_loop.files import atomic_write_text
 from dist_loop.modes import MODES, build_trainer
+from dist_loop.modes.base import Reporting
+from dist_loop.recovery import NonFinitePolicy
 from dist_loop.summaries import LOGDIR, Summaries
 
 FLAGS_FILE = workdir_lib.FLAGS_FILE
 SUMMARY_FILE = workdir_lib.SUMMARY_FILE
+PROBE_BATCH = 256  # Training examples of the histograms' gradient probe.
 
 
 def run(config: Config, flags_text: Optional[str] = None,
@@ -50,7 +59,21 @@ def run(config: Config, flags_text: Optional[str] = None,
   Raises:
     UserError: bad input; nothing in the workdir was changed.
     NonFiniteError: the loss or gradients became non-finite.
+    DivergedError: the run finished diverged (`dist_loop/divergence.py`);
+      its checkpoint and summary.json were written.
+    Interrupted: Ctrl-C or SIGTERM, at any moment of the run.
   """
+  try:
+    return _run(config, flags_text, cluster)
+  except KeyboardInterrupt as e:
+    # Outside the training loop (which raises Interrupted itself): at
+    # start-up, or while shutting down after another error, which stands.
+    if isinstance(e.__context__, UserError):
+      raise e.__context__ from None
+    raise Interrupted(None) from None
+
+
+def _run(config, flags_text, cluster):
   if cluster is None:
     cluster = cluster_lib.current()
   config = configure.validate(config, cluster)
@@ -88,26 +111,79 @@ def _train(config, trainer, dataset, cluster, flags_text):
       trainer.checkpoint_items(), workdir, config.max_checkpoints,
       trainer.is_chief, cluster.task_index)
   checkpointer.restore(trainer.scope())
+  summary_path = os.path.join(workdir, SUMMARY_FILE)
+  previous = _read_summary(summary_path)
   if trainer.is_chief:
     _write(os.path.join(workdir, FLAGS_FILE),
            flags_text or config.to_flagfile())
   summaries = Summaries(workdir, enabled=trainer.is_chief)
-  summaries.hparams(_hparams(config))
-  logging.info("%s", console.banner(config, trainer.devices, trainer.model,
-                                    dataset))
-  task = tasks.for_dataset(dataset)
-  evaluator = Evaluator(trainer.model, dataset, config.eval_batch_size, task)
-  controller = Controller(
-      config, trainer, checkpointer, summaries,
-      actions.standard(config, trainer, evaluator, checkpointer, summaries,
-                       task),
-      os.path.join(workdir, SUMMARY_FILE) if trainer.is_chief else None,
-      metric_names=task.metric_names,
-      agreement=preemption.Agreement.for_run(trainer, cluster))
   try:
-    return controller.run()
+    summaries.hparams(_hparams(config))
+    logging.info("%s", console.banner(config, trainer.devices, trainer.model,
+                                      dataset))
+    recovery = NonFinitePolicy(config, checkpointer, trainer, summaries)
+    inputs = _inputs(config, trainer, dataset, checkpointer, summaries,
+                     summary_path if trainer.is_chief else None,
+                     [recovery.summary], previous)
+    run_actions = actions.standard(config, inputs)
+    stop = preemption.Sigterm(
+        config.grace_period_s, preemption.Agreement.for_run(trainer, cluster))
+    step = Controller(trainer, run_actions, train_steps=config.train_steps,
+                      steps_per_loop=config.steps_per_loop,
+                      recovery=recovery, stop=stop).run()
+    summary = next(a for a in run_actions
+                   if isinstance(a, actions.Summary)).written
   finally:
     summaries.close()
+  if summary.get("diverged"):
+    raise DivergedError(divergence.message(summary["diverged"], step),
+                        summary)
+  return summary
+
+
+def _inputs(config, trainer, dataset, checkpointer, summaries, summary_path,
+            summary_parts, previous) -> actions.Inputs:
+  """What the actions need, taken from the trainer here and only here."""
+  task = tasks.for_dataset(dataset)
+  reporting = isinstance(trainer, Reporting)
+  if reporting:
+    summary_parts = [*summary_parts, trainer.summary]
+  optimizer = trainer.optimizer
+  return actions.Inputs(
+      summaries=summaries,
+      evaluator=Evaluator(trainer.model, dataset, config.eval_batch_size,
+                          task),
+      scope=trainer.scope,
+      checkpointer=checkpointer,
+      metric_names=task.metric_names,
+      # What `report` adds (bits per byte) is named by calling it.
+      reported_names=tuple(task.report(
+          {name: 1.0 for name in task.metric_names})),
+      learning_rate=lambda: float(tf.convert_to_tensor(
+          optimizer.learning_rate)),
+      devices=trainer.devices,
+      model=trainer.model,
+      probe_batch=(dataset.train_x[:PROBE_BATCH],
+                   dataset.train_y[:PROBE_BATCH]),
+      # One callable for the whole run: `on_master` traces once per callable.
+      probe_gradients=functools.partial(
+          trainer.on_master, functools.partial(probe_gradients, task)),
+      report=trainer.report if reporting else None,
+      tokens_per_example=task.predictions_per_example(dataset.train_y),
+      summary_path=summary_path,
+      summary_parts=summary_parts,
+      previous=previous)
+
+
+def _read_summary(path: str) -> Mapping[str, object]:
+  """The summary.json an earlier run left, or {} if there is none (or it
+  cannot be read: it is rewritten at the end)."""
+  try:
+    with open(path, encoding="utf-8") as f:
+      summary = json.load(f)
+  except (OSError, ValueError):
+    return {}
+  return summary if isinstance(summary, dict) else {}
 
 
 def _write(path: str, text: str) -> None:

@@ -1,4 +1,5 @@
-"""Stand-ins for what the controller drives, for tests/test_controller.py.
+"""Stand-ins for what the controller and the actions drive, for
+tests/test_controller.py, tests/test_actions.py and tests/test_preemption.py.
 
 Nothing here trains: the fake trainer moves a step counter and returns
 metrics that are a function of the steps, so every event's step and every
@@ -15,27 +16,33 @@ from dist_loop.config import Config
 from dist_loop.controller import Controller
 from dist_loop.errors import NonFiniteError
 from dist_loop.modes.base import Report, Reporting
+from dist_loop.recovery import NonFinitePolicy
 
 EXAMPLES_PER_STEP = 8
+METRICS = ("loss", "accuracy")
+REPORTED = ("loss", "accuracy", "perplexity")
 
 
 class FakeTrainer:
   """The Trainer contract, and nothing else.
 
-  Step s has loss 1/s. Steps in `skip` advance the counter without applying
-  their update (--nonfinite=skip); a step in `nan` raises NonFiniteError
-  (`nan_times` times, then it is fine). `on_train(start, n)` runs first.
+  Step s has loss `loss(s)` (default 1/s). Steps in `skip` advance the
+  counter without applying their update (--nonfinite=skip), and like the
+  loop base a call that applies none returns no task metric; a step in `nan`
+  raises NonFiniteError (`nan_times` times, then it is fine). `on_train(start,
+  n)` runs first.
   """
 
   examples_per_step = EXAMPLES_PER_STEP
   devices = ["/device:CPU:0"]
   is_chief = True
 
-  def __init__(self, log, nan=(), nan_times=1, skip=(), lag=0, on_train=None):
+  def __init__(self, log, nan=(), nan_times=1, skip=(), lag=0, on_train=None,
+               loss=lambda s: 1 / s):
     self.value = 0
     self.step = self  # What the controller reads: step.numpy().
-    self.optimizer = types.SimpleNamespace(learning_rate=0.25)
-    self.log, self.skip, self.lag = log, set(skip), lag
+    self.learning_rate = 0.25
+    self.log, self.skip, self.lag, self.loss = log, set(skip), lag, loss
     self.nan = {s: nan_times for s in nan}
     self.on_train = on_train or (lambda start, n: None)
     self.restores = 0
@@ -53,11 +60,16 @@ class FakeTrainer:
         self.value = s
         raise NonFiniteError(s)
     self.value = start + n - self.lag  # A broken mode falls short.
-    applied = [s for s in range(start + 1, start + n + 1)
-               if s not in self.skip]
-    return {"train/loss": float(np.mean([1 / s for s in applied])),
-            "train/accuracy": 0.5,
-            "train/skipped_steps": float(n - len(applied))}
+    steps = range(start + 1, start + n + 1)
+    applied = [s for s in steps if s not in self.skip]
+    at_end = next((i for i, s in enumerate(reversed(steps))
+                   if s not in self.skip), n)
+    out = {"train/skipped_steps": float(n - len(applied)),
+           "train/skipped_steps_at_end": float(at_end)}
+    if applied:
+      out["train/loss"] = float(np.mean([self.loss(s) for s in applied]))
+      out["train/accuracy"] = 0.5
+    return out
 
   def scope(self):
     return contextlib.nullcontext()
@@ -76,13 +88,15 @@ class ReportingTrainer(FakeTrainer, Reporting):
 
 
 class FakeEvaluator:
+  """`eval/loss` is 2/step, or `value` if given."""
 
-  def __init__(self, trainer, log):
-    self.trainer, self.log = trainer, log
+  def __init__(self, trainer, log, value=None):
+    self.trainer, self.log, self.value = trainer, log, value
 
   def evaluate(self):
     self.log.append(("eval", self.trainer.value))
-    return {"eval/loss": 2.0 / self.trainer.value, "eval/accuracy": 0.75,
+    loss = 2.0 / self.trainer.value if self.value is None else self.value
+    return {"eval/loss": loss, "eval/accuracy": 0.75,
             "eval/perplexity": 3.0}
 
 
@@ -92,6 +106,10 @@ class FakeCheckpointer:
   def __init__(self, trainer, log):
     self.trainer, self.log = trainer, log
     self.saved = []
+
+  @property
+  def saved_step(self):
+    return self.saved[-1] if self.saved else None
 
   def save(self, step):
     if self.saved and self.saved[-1] == step:
@@ -111,15 +129,20 @@ class FakeCheckpointer:
 
 
 class FakeSummaries:
-  """Keeps the scalars; logs the graph trace and the profile."""
+  """Keeps the scalars and the final summary; logs the graph trace, the
+  profile and flushes."""
 
   def __init__(self, log):
     self.log = log
     self.scalar = {}  # name -> {step: value}
+    self.final_summary = None
 
   def scalars(self, step, values):
     for name, value in values.items():
       self.scalar.setdefault(name, {})[step] = value
+
+  def final(self, summary):
+    self.final_summary = dict(summary)
 
   def __getattr__(self, name):  # trace_begin(), trace_end(step), ...
     if name.startswith(("trace_", "profile_")):
@@ -127,15 +150,34 @@ class FakeSummaries:
     return lambda *args: None  # histograms, images, flush
 
 
+def inputs(trainer, log, summaries, checkpointer, evaluator=None,
+           summary_path=None, **overrides):
+  """`actions.Inputs` over the fakes."""
+  fields = dict(
+      summaries=summaries,
+      evaluator=evaluator or FakeEvaluator(trainer, log),
+      scope=trainer.scope, checkpointer=checkpointer,
+      metric_names=METRICS, reported_names=REPORTED,
+      learning_rate=lambda: trainer.learning_rate, devices=trainer.devices,
+      report=trainer.report if isinstance(trainer, Reporting) else None,
+      summary_path=summary_path)
+  fields.update(overrides)
+  return actions.Inputs(**fields)
+
+
 def run(tmp_path, trainer_class=FakeTrainer, summary=True, start=0,
-         on_exit=None, **overrides):
+        stop=None, eval_value=None, previous=None, **overrides):
   """Runs a controller with the standard actions over fakes.
 
+  `stop` is the controller's stop request, or a function of the trainer
+  that returns one.
+
   Returns: `result` (the summary or the exception), `log` (what happened,
-  in order), `scalar` ({name: {step: value}}), `trainer`, `saved` (steps).
+  in order), `scalar` ({name: {step: value}}), `trainer`, `saved` (steps),
+  `actions`, `controller`.
   """
   trainer_kwargs = {k: overrides.pop(k) for k in
-                    ("nan", "nan_times", "skip", "lag", "on_train")
+                    ("nan", "nan_times", "skip", "lag", "on_train", "loss")
                     if k in overrides}
   fields = dict(workdir=str(tmp_path), train_steps=20, steps_per_loop=10,
                 log_every=5, eval_every=10, checkpoint_every=10)
@@ -148,25 +190,29 @@ def run(tmp_path, trainer_class=FakeTrainer, summary=True, start=0,
   if start:
     checkpointer.saved.append(start)
   summaries = FakeSummaries(log)
-  controller = Controller(
-      config, trainer, checkpointer, summaries,
-      actions.standard(config, trainer, FakeEvaluator(trainer, log),
-                       checkpointer, summaries, task=None),
-      str(tmp_path / "summary.json") if summary else None,
-      metric_names=("loss", "accuracy", "perplexity"))
-
-  def fake_exit(code):  # The watchdog's os._exit.
-    log.append(("exit", code))
-    if on_exit:
-      on_exit()
-
-  controller._exit = fake_exit  # pylint: disable=protected-access
+  recovery = NonFinitePolicy(config, checkpointer, trainer, summaries)
+  parts = [recovery.summary]
+  if isinstance(trainer, Reporting):
+    parts.append(trainer.summary)
+  run_actions = actions.standard(config, inputs(
+      trainer, log, summaries, checkpointer,
+      evaluator=FakeEvaluator(trainer, log, eval_value),
+      summary_path=str(tmp_path / "summary.json") if summary else None,
+      summary_parts=parts, previous=previous or {}))
+  if callable(stop) and not hasattr(stop, "requested"):
+    stop = stop(trainer)
+  controller = Controller(trainer, run_actions,
+                          train_steps=config.train_steps,
+                          steps_per_loop=config.steps_per_loop,
+                          recovery=recovery, stop=stop)
+  summary_action = next(a for a in run_actions
+                        if isinstance(a, actions.Summary))
   try:
-    result = controller.run()
+    controller.run()
+    result = summary_action.written
   except Exception as e:  # pylint: disable=broad-except
     result = e
   return types.SimpleNamespace(result=result, log=log, trainer=trainer,
                                scalar=summaries.scalar,
-                               saved=checkpointer.saved)
-
-
+                               saved=checkpointer.saved, actions=run_actions,
+                               controller=controller, summaries=summaries)

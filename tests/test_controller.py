@@ -1,21 +1,55 @@
-"""The controller with a fake trainer, evaluator and checkpointer
-(tests/controller_fakes.py): scheduling, the step check, the non-finite
-policies, signals and summary.json, without training."""
+"""The controller's schedule, with a fake trainer, evaluator and checkpointer
+(tests/controller_fakes.py): inner loops that end where an action asks, the
+step check, the final actions, and when it hands over to its collaborators
+(the non-finite policy, the stop request), without training.
 
-import json
-import os
-import signal
-import threading
+The collaborators themselves are tested in test_recovery.py and
+test_preemption.py, the actions in test_actions.py.
+"""
 
-import numpy as np
 import pytest
 
-from controller_fakes import EXAMPLES_PER_STEP, ReportingTrainer
+from controller_fakes import FakeTrainer
 from controller_fakes import run as _run
+from dist_loop.actions import Action
+from dist_loop.controller import Controller
 from dist_loop.errors import Interrupted, NonFiniteError, UserError
+
 
 def _events(log, kind):
   return [e[1] for e in log if e[0] == kind]
+
+
+def _ends(log):
+  return [e[1] + e[2] for e in log if e[0] == "train"]
+
+
+class Recorder(Action):
+  """Logs what the controller asks of it."""
+
+  def __init__(self, log, every=0, at_end=False, name="recorder"):
+    self.every, self.at_end, self.log, self.name = every, at_end, log, name
+
+  def start(self, step):
+    self.log.append((f"{self.name}.start", step))
+
+  def observe(self, loop):
+    self.log.append((f"{self.name}.observe", loop.start, loop.end))
+
+  def interrupted(self, step):
+    self.log.append((f"{self.name}.interrupted", step))
+
+  def __call__(self, step):
+    self.log.append((self.name, step))
+
+
+def _controller(log, actions, train_steps=10, steps_per_loop=4, start=0,
+                **kwargs):
+  trainer = FakeTrainer(log, **{k: kwargs.pop(k) for k in
+                                ("nan", "lag", "on_train") if k in kwargs})
+  trainer.value = start
+  return Controller(trainer, actions, train_steps=train_steps,
+                    steps_per_loop=steps_per_loop, **kwargs)
 
 
 # -- the schedule --
@@ -24,158 +58,200 @@ def _events(log, kind):
 def test_events_land_on_exact_steps(tmp_path):
   run = _run(tmp_path, train_steps=23, log_every=5, eval_every=7,
              checkpoint_every=10, profile_steps="12,14")
-  # Each inner loop stops at the next event (or after steps_per_loop).
-  ends = [e[1] + e[2] for e in run.log if e[0] == "train"]
-  assert ends == [5, 7, 10, 11, 14, 15, 20, 21, 23]
+  # Each inner loop stops at the next event (or after steps_per_loop); the
+  # first one after one step (the log's first loss).
+  assert _ends(run.log) == [1, 5, 7, 10, 11, 14, 15, 20, 21, 23]
   assert sorted(run.scalar["train/loss"]) == [5, 10, 15, 20, 23]
   assert _events(run.log, "eval") == [7, 14, 21, 23]
   assert _events(run.log, "save") == [10, 20, 23]
   # The graph of the first loop; a profile of exactly steps 12..14.
-  assert run.log[0] == ("trace_begin",) and run.log[2] == ("trace_end", 5)
+  assert run.log[0] == ("trace_begin",) and run.log[2] == ("trace_end", 1)
   begin = run.log.index(("profile_begin",))
   end = run.log.index(("profile_end",))
   assert run.log[begin + 1] == run.log[end - 1] == ("train", 11, 3)
 
 
-def test_the_log_line_averages_the_steps_since_the_last_one(tmp_path):
-  run = _run(tmp_path, train_steps=10, log_every=10, eval_every=3)
-  # Loops end at 3, 6, 9, 10: a step-weighted mean is the mean of 1/s.
-  assert run.scalar["train/loss"][10] == pytest.approx(
-      np.mean([1 / s for s in range(1, 11)]))
-  assert run.scalar["train/learning_rate"] == {10: 0.25}
-  for name in ("train/examples_per_sec", "train/steps_per_sec",
-               "train/updates_per_sec", "memory/peak_rss_mb"):
-    assert run.scalar[name][10] > 0
+def test_steps_per_loop_bounds_a_loop_and_actions_run_in_order():
+  log = []
+  first = Recorder(log, every=6, name="a")
+  second = Recorder(log, every=3, at_end=True, name="b")
+  _controller(log, [first, second]).run()
+  assert _ends(log) == [3, 6, 9, 10]
+  assert [e for e in log if e[0] in ("a", "b")] == [
+      ("b", 3), ("a", 6), ("b", 6), ("b", 9), ("b", 10)]
+  # Every action sees every loop before any action runs.
+  at6 = log.index(("a", 6))
+  assert log[at6 - 2:at6] == [("a.observe", 3, 6), ("b.observe", 3, 6)]
+  assert log[0] == ("a.start", 0) and log[1] == ("b.start", 0)
 
 
-def test_a_finished_run_evaluates_once_and_does_not_save_again(tmp_path):
-  run = _run(tmp_path, start=20)
-  assert not _events(run.log, "train") and ("trace_begin",) not in run.log
-  assert _events(run.log, "eval") == [20]
-  assert run.saved == [20]  # The restored checkpoint, not a new one.
-  assert run.result["final_step"] == 20 and run.result["eval_loss"] == 0.1
-  assert run.result["train_loss"] is None
+def test_an_at_end_action_due_at_the_last_step_runs_once():
+  log = []
+  _controller(log, [Recorder(log, every=5, at_end=True)]).run()
+  assert [e for e in log if e[0] == "recorder"] == [("recorder", 5),
+                                                    ("recorder", 10)]
 
 
-def test_the_step_counter_must_advance_by_n(tmp_path):
-  result = _run(tmp_path, lag=1).result
-  assert isinstance(result, RuntimeError)
-  assert "step counter is at 4 after training from 0 to 5" in str(result)
+def test_a_finished_run_only_runs_the_final_actions_once():
+  log = []
+  step = _controller(log, [Recorder(log, every=5, at_end=True),
+                           Recorder(log, every=5, name="periodic")],
+                     start=10).run()
+  assert step == 10
+  assert log == [("recorder", 10)]  # No start, no training, no periodic.
 
 
-# -- the non-finite policies --
+def test_the_step_counter_must_advance_by_n():
+  log = []
+  with pytest.raises(RuntimeError, match="step counter is at 3 after "
+                     "training from 0 to 4"):
+    _controller(log, [], lag=1).run()
 
 
-def test_raise_stops_at_the_step(tmp_path):
-  run = _run(tmp_path, nan=[13])
-  assert isinstance(run.result, NonFiniteError) and run.result.step == 13
-  assert run.scalar["nonfinite/at_step"] == {13: 13}
-  assert run.trainer.restores == 0 and not _events(run.log, "restore")
-  assert not (tmp_path / "summary.json").exists()
+# -- handing over: the non-finite policy --
 
 
-def test_skip_counts_the_skipped_steps_and_not_their_updates(tmp_path):
-  run = _run(tmp_path, nonfinite="skip", skip=[7, 8, 14])
-  assert run.result["skipped_steps"] == 3
-  assert run.scalar["nonfinite/skipped_steps"] == {5: 0, 10: 2, 15: 3, 20: 3}
-  at10 = {k: v[10] for k, v in run.scalar.items() if 10 in v}
-  assert at10["train/updates_per_sec"] == pytest.approx(
-      at10["train/steps_per_sec"] * 3 / 5)
-  # Steady state (the first loop, which traces, excluded): steps 6-20,
-  # 15 steps of which 12 applied.
-  assert run.result["updates_per_sec"] == pytest.approx(
-      run.result["examples_per_sec"] / EXAMPLES_PER_STEP * 12 / 15)
+class FakeRecovery:
+  """Rolls back to step `to` once, then raises; logs what it sees."""
+
+  def __init__(self, log, trainer_ref, to=0, fail_on_loop_end=None):
+    self.log, self.trainer_ref, self.to = log, trainer_ref, to
+    self.fail_on_loop_end = fail_on_loop_end
+    self.recovered = []
+
+  def recover(self, error):
+    self.recovered.append(error.step)
+    if len(self.recovered) > 1:
+      raise error
+    self.trainer_ref[0].value = self.to
+
+  def observe(self, loop):
+    self.log.append(("recovery.observe", loop.end))
+    if loop.end == self.fail_on_loop_end:
+      raise UserError("stop")
 
 
-def test_rollback_restores_the_last_checkpoint_and_goes_on(tmp_path):
-  run = _run(tmp_path, nonfinite="rollback", nan=[13])
-  assert run.result["final_step"] == 20 and run.result["rollbacks"] == 1
-  assert run.trainer.restores == 1
-  restore = run.log.index(("restore", 10))
-  assert run.log[restore - 1] == ("train", 10, 5)  # Failed at 13,
-  assert run.log[restore + 1] == ("train", 10, 5)  # replayed from 10.
-  assert run.scalar["nonfinite/at_step"] == {13: 13}
-  assert run.scalar["nonfinite/rollbacks"] == {13: 1}
+def test_a_nonfinite_step_goes_to_the_recovery_which_may_roll_back():
+  log, ref = [], []
+  recovery = FakeRecovery(log, ref, to=4)
+  controller = _controller(log, [Recorder(log, every=4)], nan=[6],
+                           recovery=recovery)
+  ref.append(controller.trainer)
+  assert controller.run() == 10
+  assert recovery.recovered == [6]
+  # Failed in the loop from 4, then went on from the step restored.
+  assert _ends(log) == [4, 8, 8, 10] and ("train", 4, 4) in log
+  assert log.count(("train", 4, 4)) == 2
 
 
-def test_rollback_gives_up_after_max_rollbacks(tmp_path):
-  run = _run(tmp_path, nonfinite="rollback", nan=[13], nan_times=10,
-             max_rollbacks=2)
-  assert isinstance(run.result, UserError)
-  assert "at step 13 after 2 rollbacks" in str(run.result)
-  assert run.trainer.restores == 2 and len(_events(run.log, "restore")) == 2
+def test_without_recovery_a_nonfinite_step_ends_the_run():
+  with pytest.raises(NonFiniteError) as e:
+    _controller([], [], nan=[6]).run()
+  assert e.value.step == 6
 
 
-def test_rollback_needs_a_checkpoint(tmp_path):
-  result = _run(tmp_path, nonfinite="rollback", nan=[3]).result
-  assert isinstance(result, UserError)
-  assert "no checkpoint to roll back to" in str(result)
+def test_the_recovery_sees_every_loop_first_and_may_stop_the_run():
+  log, ref = [], []
+  controller = _controller(log, [Recorder(log, every=4)],
+                           recovery=FakeRecovery(log, ref,
+                                                 fail_on_loop_end=8))
+  with pytest.raises(UserError, match="stop"):
+    controller.run()
+  assert log.index(("recovery.observe", 4)) < log.index(
+      ("recorder.observe", 0, 4))
+  assert ("recorder", 8) not in log and _ends(log) == [4, 8]
 
 
-# -- signals --
+# -- handing over: stop requests and Ctrl-C --
 
 
-def _sigterm_at(step):
-  def on_train(start, n):
-    if start < step <= start + n:
-      os.kill(os.getpid(), signal.SIGTERM)
-  return on_train
+class FakeStop:
+  """A stop request after the loop that ends at `at`."""
+
+  def __init__(self, log, trainer_ref, at):
+    self.log, self.trainer_ref, self.at = log, trainer_ref, at
+    self.entered = self.exited = self.was_saved = False
+
+  def __enter__(self):
+    self.entered = True
+    return self
+
+  def __exit__(self, *exc):
+    self.exited = True
+
+  def requested(self):
+    value = self.trainer_ref[0].value
+    self.log.append(("stop?", value))
+    return value >= self.at
+
+  def saved(self):
+    self.was_saved = True
 
 
-def test_sigterm_saves_at_the_end_of_the_loop_and_exits_143(tmp_path):
-  before = signal.getsignal(signal.SIGTERM)
-  run = _run(tmp_path, on_train=_sigterm_at(7), checkpoint_every=100)
-  assert isinstance(run.result, Interrupted) and run.result.exit_code == 143
-  assert run.result.step == 10 and run.saved == [10]
-  assert not _events(run.log, "exit")  # Saved well within the grace period.
-  assert signal.getsignal(signal.SIGTERM) is before
-  assert not (tmp_path / "summary.json").exists()
+def test_a_stop_request_interrupts_every_action_then_raises_sigterm():
+  log, ref = [], []
+  stop = FakeStop(log, ref, at=4)
+  controller = _controller(log, [Recorder(log, every=4)], stop=stop)
+  ref.append(controller.trainer)
+  with pytest.raises(Interrupted) as e:
+    controller.run()
+  assert (e.value.step, e.value.exit_code, e.value.saved) == (4, 143, True)
+  # The loop's actions ran, then the request was read, then the stop.
+  assert log[-3:] == [("recorder", 4), ("stop?", 4),
+                      ("recorder.interrupted", 4)]
+  assert stop.entered and stop.exited and stop.was_saved
 
 
-def test_sigterm_exits_143_after_the_grace_period_if_the_loop_hangs(
-    tmp_path):
-  exited = threading.Event()
-
-  def hang(start, n):
-    _sigterm_at(7)(start, n)
-    if start < 7 <= start + n:  # Waits for the watchdog, as a hung loop.
-      assert exited.wait(timeout=30), "the watchdog did not fire"
-
-  run = _run(tmp_path, on_train=hang, grace_period_s=0.2, on_exit=exited.set)
-  assert run.log.index(("exit", 143)) < run.log.index(("save", 10))
-  assert isinstance(run.result, Interrupted) and run.saved == [10]
+def test_a_stop_request_at_the_last_step_is_not_a_stop():
+  log, ref = [], []
+  stop = FakeStop(log, ref, at=10)
+  controller = _controller(log, [Recorder(log, at_end=True)], stop=stop)
+  ref.append(controller.trainer)
+  assert controller.run() == 10
+  assert ("stop?", 10) not in log and ("recorder", 10) in log
 
 
-def test_ctrl_c_saves_the_current_step(tmp_path):
+def test_ctrl_c_in_a_loop_interrupts_the_actions_and_raises_sigint():
   def interrupt(start, n):
-    if start == 5:
+    if start == 4:
       raise KeyboardInterrupt
 
-  run = _run(tmp_path, on_train=interrupt)
-  assert isinstance(run.result, Interrupted) and run.result.exit_code == 130
-  assert run.saved == [5]
+  log = []
+  with pytest.raises(Interrupted) as e:
+    _controller(log, [Recorder(log)], on_train=interrupt).run()
+  assert (e.value.step, e.value.exit_code, e.value.saved) == (4, 130, True)
+  assert log[-1] == ("recorder.interrupted", 4)
 
 
-# -- summary.json --
+class InterruptOnce(Recorder):
+  """Ctrl-C while it runs at `step`; and, if `again`, while interrupted."""
+
+  def __init__(self, log, step, again=False, **kwargs):
+    super().__init__(log, **kwargs)
+    self.step, self.again = step, again
+
+  def __call__(self, step):
+    super().__call__(step)
+    if step == self.step:
+      raise KeyboardInterrupt
+
+  def interrupted(self, step):
+    super().interrupted(step)
+    if self.again:
+      raise KeyboardInterrupt
 
 
-def test_summary_has_every_metric_and_the_mode_report(tmp_path):
-  run = _run(tmp_path, ReportingTrainer)
-  with open(tmp_path / "summary.json") as f:
-    written = json.load(f)
-  assert written == pytest.approx(run.result)
-  assert written["final_step"] == 20
-  assert written["train_loss"] == pytest.approx(
-      np.mean([1 / s for s in range(16, 21)]))
-  assert written["train_accuracy"] == 0.5
-  assert written["train_perplexity"] is None  # Not among train's metrics.
-  assert written["eval_loss"] == 0.1 and written["eval_accuracy"] == 0.75
-  assert written["eval_perplexity"] == 3.0
-  assert written["updates_per_sec"] == pytest.approx(
-      written["examples_per_sec"] / EXAMPLES_PER_STEP)
-  assert written["skipped_steps"] == 0 and written["rollbacks"] == 0
-  assert written["fake_total"] == 7 and written["memory_peak_rss_mb"] > 0
-  assert run.scalar["fake/running"] == {5: 5, 10: 10, 15: 15, 20: 20}
-  off_chief = _run(tmp_path / "worker", summary=False)
-  assert off_chief.result["final_step"] == 20
-  assert not (tmp_path / "worker" / "summary.json").exists()
+def test_ctrl_c_in_a_final_action_is_a_clean_sigint():
+  log = []
+  with pytest.raises(Interrupted) as e:
+    _controller(log, [InterruptOnce(log, 10, at_end=True)], start=10).run()
+  assert (e.value.step, e.value.exit_code, e.value.saved) == (10, 130, True)
+
+
+def test_a_second_ctrl_c_while_saving_says_the_step_was_not_saved():
+  log = []
+  with pytest.raises(Interrupted) as e:
+    _controller(log, [InterruptOnce(log, 4, again=True, every=4)]).run()
+  assert (e.value.step, e.value.saved) == (4, False)
+  assert "before its checkpoint was saved" in str(e.value)
+

@@ -102,29 +102,44 @@ def tmp(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def sync_reference(tmp):
+def sync_run(tmp):
+  """Single-device sync's (variables, metrics) after STEPS steps."""
   trainer = build(config("sync", tmp))
   start = weights(trainer)
-  trainer.train(STEPS)
+  metrics = trainer.train(STEPS)
   reference = weights(trainer)
   trainer.close()
   # Training moved the variables well beyond the tolerance, so equality
   # with the reference is not two untouched initialisations.
   assert max_diff(reference, start) > 1e-2
-  return reference
+  return reference, metrics
+
+
+@pytest.fixture(scope="module")
+def sync_reference(sync_run):
+  return sync_run[0]
+
+
+def assert_same_metrics(metrics, reference):
+  """The names sync returns, and (all from the same updates) its values."""
+  assert set(metrics) == set(reference)
+  for name, value in reference.items():
+    assert metrics[name] == pytest.approx(value, rel=1e-4, abs=TOLERANCE), (
+        name)
 
 
 # -- a step equals a single-device sync step --
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("recompute", ["never", "always"])
-def test_pipeline_equals_single_device_sync(tmp, sync_reference, schedule,
+def test_pipeline_equals_single_device_sync(tmp, sync_run, schedule,
                                             recompute):
   variables, metrics = trained(config(
       f"pipe_{schedule}_{recompute}", tmp, pipeline_schedule=schedule,
       recompute=recompute, **K2))
-  assert max_diff(sync_reference, variables) <= TOLERANCE
+  assert max_diff(sync_run[0], variables) <= TOLERANCE
   assert metrics["train/skipped_steps"] == 0
+  assert_same_metrics(metrics, sync_run[1])
 
 
 @pytest.mark.parametrize("schedule,split", [("gpipe", "2"), ("1f1b", "1")])
@@ -199,18 +214,25 @@ def sync_fp16_reference(tmp, sync_reference):
   micro-batches than the pipeline's moves the result beyond fp32 round-off:
   the reference sums the same micro-batches (batches of 8, accumulated 4x).
   """
-  reference, _ = trained(config("sync_fp16", tmp, global_batch_size=8,
-                                grad_accum_steps=4, **FP16))
+  reference, metrics = trained(config("sync_fp16", tmp, global_batch_size=8,
+                                      grad_accum_steps=4, **FP16))
   assert max_diff(reference, sync_reference) > 10 * TOLERANCE
-  return reference
+  return reference, metrics
 
 
 @pytest.mark.parametrize("pipeline", [K2, R2K2], ids=["k2", "r2k2"])
 def test_fp16_pipeline_equals_sync_on_the_same_micro_batches(
     tmp, sync_fp16_reference, pipeline):
-  variables, _ = trained(config(f"fp16_{pipeline['num_devices']}", tmp,
-                                **pipeline, **FP16))
-  assert max_diff(sync_fp16_reference, variables) <= TOLERANCE
+  variables, metrics = trained(config(f"fp16_{pipeline['num_devices']}", tmp,
+                                      **pipeline, **FP16))
+  reference, reference_metrics = sync_fp16_reference
+  assert max_diff(reference, variables) <= TOLERANCE
+  # The loss scale too: the same overflows were skipped.
+  assert "train/loss_scale" in metrics
+  assert set(metrics) == set(reference_metrics)
+  assert metrics["train/loss_scale"] == reference_metrics["train/loss_scale"]
+  assert metrics["train/skipped_steps"] == reference_metrics[
+      "train/skipped_steps"]
 
 
 def test_fp16_overflow_skips_the_step_on_every_stage(tmp):
@@ -223,6 +245,8 @@ def test_fp16_overflow_skips_the_step_on_every_stage(tmp):
   trainer.loss_scale.scale.assign(2.0 ** 40)
   metrics = trainer.train(1)
   assert metrics["train/skipped_steps"] == 1
+  assert metrics["train/skipped_steps_at_end"] == 1
+  assert "train/loss" not in metrics  # No update: no loss, never a 0.
   assert metrics["train/loss_scale"] == 2.0 ** 39
   for b, v in zip(before, weights(trainer)):
     np.testing.assert_array_equal(b, v)  # No stage applied it.
@@ -270,7 +294,7 @@ def test_stages_live_on_their_devices_and_report_the_bubble(tmp):
                          num_devices=2, num_stages=2, num_microbatches=2,
                          global_batch_size=8, pipeline_timing="every"))
   # The seed CNN's own split: conv+pool | flatten+dense+dense.
-  assert [s.layer_names for s in trainer.stages] == [
+  assert [s.layer_names for s in trainer.chunk_spans] == [
       ("conv", "pool"), ("flatten", "dense_1", "logits")]
   for var in trainer.model.trainable_variables:
     stage = 0 if var.path.startswith("conv") else 1
@@ -281,7 +305,7 @@ def test_stages_live_on_their_devices_and_report_the_bubble(tmp):
   metrics = trainer.train(2)
   assert int(trainer.step.numpy()) == 2
   assert set(metrics) == {"train/loss", "train/accuracy", "train/grad_norm",
-                          "train/skipped_steps"}
+                          "train/skipped_steps", "train/skipped_steps_at_end"}
   report = trainer.report()
   assert set(report.scalars) == {
       "pipeline/bubble_measured", "pipeline/bubble_predicted",
@@ -298,7 +322,7 @@ def test_stages_live_on_their_devices_and_report_the_bubble(tmp):
       ["conv", "pool"], ["flatten", "dense_1", "logits"]]
   trainer.train(1)  # Another loop length: the same trace.
   assert int(trainer.step.numpy()) == 3
-  assert trainer.trace_counts == {True: 1, False: 0}
+  assert trainer.trace_counts == {"timed": 1}
   trainer.close()
 
 

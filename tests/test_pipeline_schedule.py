@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from dist_loop.errors import UserError
+from dist_loop.modes.pipeline import action as action_lib
 from dist_loop.modes.pipeline import partition, simulator, timeline
 from dist_loop.modes.pipeline import schedule as sl
 
@@ -48,7 +49,7 @@ def test_1f1b_holds_at_most_k_microbatches(k, m):
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("k,m", [(2, 1), (2, 4), (3, 5), (4, 16)])
 def test_simulated_bubble_is_the_formula(name, k, m):
-  # Equal stages, backward twice the forward: idle = (K-1)/(M+K-1).
+  # Equal chunks, backward twice the forward: idle = (K-1)/(M+K-1).
   bars = simulator.simulate(sl.make(name, k, m)).bars
   span = max(end for _, _, _, end in bars)
   busy = sum(end - start for _, _, start, end in bars)
@@ -90,7 +91,7 @@ def test_a_registered_schedule_is_usable():
     sl.make("test_all_f_then_b_in_order", 2, 2, virtual_stages=2)
 
 
-def test_balance_minimises_the_largest_stage():
+def test_balance_minimises_the_largest_chunk():
   assert partition.balance([1, 1, 1, 1], 2) == [2]
   assert partition.balance([5, 1, 1, 1, 1, 1], 2) == [1]
   assert partition.balance([1, 2, 3, 4, 5, 6], 3) == [3, 5]
@@ -132,18 +133,18 @@ def test_choose_takes_the_declared_split_only_for_auto():
   from dist_loop import models  # pylint: disable=g-import-not-at-top
   layers = models.build("mlp", (10,), 10).layers  # flatten, dense_1, logits
   seconds = [0.0, 1.0, 5.0]
-  stages, how = partition.choose("auto", layers, 2, "", (1,), seconds)
+  spans, how = partition.choose("auto", layers, 2, "", (1,), seconds)
   assert how == "the model's own split"
-  assert [s.layer_names for s in stages] == [("flatten",),
+  assert [s.layer_names for s in spans] == [("flatten",),
                                              ("dense_1", "logits")]
-  stages, how = partition.choose("auto", layers, 2, "", None, seconds)
-  assert how == "measured time" and [s.end for s in stages] == [2, 3]
-  assert [s.seconds for s in stages] == [1.0, 5.0]
+  spans, how = partition.choose("auto", layers, 2, "", None, seconds)
+  assert how == "measured time" and [s.end for s in spans] == [2, 3]
+  assert [s.seconds for s in spans] == [1.0, 5.0]
   # dense_1 has 1408 parameters, logits 1290: balanced, they part.
-  stages, how = partition.choose("params", layers, 2, "", (1,), seconds)
-  assert how == "params" and [s.end for s in stages] == [2, 3]
-  stages, how = partition.choose("explicit", layers, 3, "1,2", None, seconds)
-  assert [s.params for s in stages] == [0, 1408, 1290]
+  spans, how = partition.choose("params", layers, 2, "", (1,), seconds)
+  assert how == "params" and [s.end for s in spans] == [2, 3]
+  spans, how = partition.choose("explicit", layers, 3, "1,2", None, seconds)
+  assert [s.params for s in spans] == [0, 1408, 1290]
   with pytest.raises(UserError, match="gives 2 chunks but zbv needs 3"):
     partition.choose("explicit", layers, 3, "1", None, seconds, "zbv")
   with pytest.raises(UserError, match="needs 4 chunks of layers but the "
@@ -155,7 +156,7 @@ def test_choose_takes_the_declared_split_only_for_auto():
 
 def _bubble(name, k, m, v=0):
   schedule = sl.make(name, k, m, v)
-  vs = schedule.virtual_stages  # A chunk is 1/V of a stage.
+  vs = schedule.virtual_stages  # A chunk is 1/V of a device's layers.
   costs = simulator.ChunkCosts.unit(schedule.num_chunks, 1.0 / vs, 2.0 / vs)
   return simulator.simulate(schedule, costs)
 
@@ -255,11 +256,11 @@ def _list_simulation(schedule, costs):
   free, done, bars = [0.0] * schedule.num_devices, {}, []
   for d, action in sl.execution_order(schedule):
     start = free[d]
-    for need in sl.needs(action, schedule.num_chunks):
+    for need in action_lib.needs(action, schedule.num_chunks):
       end, device = done[need]
       start = max(start, end + (costs.transfer if device != d else 0.0))
     end = start + costs.seconds(action)
-    for key in sl.provides(action):
+    for key in action_lib.provides(action):
       done[key] = (end, d)
     free[d] = end
     bars.append((d, action, start, end))

@@ -11,6 +11,7 @@ import collections
 import logging
 import math
 import os
+import re
 
 import keras
 import numpy as np
@@ -24,7 +25,7 @@ from dist_loop.cluster import Cluster
 from dist_loop.errors import UserError
 from dist_loop.models import MODELS
 from dist_loop.modes import build_trainer
-from dist_loop.modes.pipeline import PipelineTrainer, costs
+from dist_loop.modes.pipeline import PipelineTrainer, costs, planner, timing
 from dist_loop.modes.pipeline.chunk import Chunk
 
 STEPS = 3
@@ -115,7 +116,7 @@ def test_every_schedule_equals_single_device_sync(
   trainer = build(config(tmp_path, **pipeline(schedule, k, m, replicas,
                                               recompute)))
   chunks = {"interleaved_1f1b": 2 * k, "zbv": 2 * k}.get(schedule, k)
-  assert trainer.schedule.num_chunks == len(trainer.stages) == chunks
+  assert trainer.schedule.num_chunks == len(trainer.chunk_spans) == chunks
   metrics = trainer.train(STEPS)
   assert metrics["train/skipped_steps"] == 0
   assert max_diff(sync_reference, weights(trainer)) <= TOLERANCE
@@ -129,10 +130,9 @@ EXPENSIVE = ("MatMul", "BatchMatMulV2", "Einsum", "Conv2D",
              "UnsortedSegmentSum")
 
 
-def _live_ops(concrete) -> collections.Counter:
-  """(action scope, op type) of every op that runs: what the function's
-  outputs and side effects need (the rest is pruned when it is
-  instantiated)."""
+def _live(concrete):
+  """Every op that runs: what the function's outputs and side effects need
+  (the rest is pruned when it is instantiated)."""
   graph = concrete.graph
   stack = [t.op for t in concrete.outputs] + list(graph.control_outputs)
   seen = set()
@@ -141,9 +141,13 @@ def _live_ops(concrete) -> collections.Counter:
     if op.name not in seen:
       seen.add(op.name)
       stack += [t.op for t in op.inputs] + list(op.control_inputs)
+  return [op for op in graph.get_operations() if op.name in seen]
+
+
+def _live_ops(concrete) -> collections.Counter:
+  """(action scope, op type) of every op that runs."""
   return collections.Counter((op.name.split("/")[0], op.type)
-                             for op in graph.get_operations()
-                             if op.name in seen)
+                             for op in _live(concrete))
 
 
 def _split_against_whole(layers, x, grads_out, reg_in=None, first=False,
@@ -226,11 +230,12 @@ def test_the_split_holds_for_a_transformer_chunk():
 
 # -- timing: only logged steps carry timestamps --
 
-def _op_types(loop, iterator, num_steps):
-  """Every op type in the traced loop, its nested functions included; a
-  call of the timestamp function counts as "stamp"."""
-  graph_def = loop.get_concrete_function(
-      iterator, tf.constant(num_steps, tf.int64)).graph.as_graph_def()
+def _op_types(trainer, variant, batch):
+  """Every op type of one traced step of `variant`, its nested functions
+  included; a call of the timestamp function counts as "stamp"."""
+  step = tf.function(
+      lambda x, y: vars(trainer.replica_step((x, y), variant)))
+  graph_def = step.get_concrete_function(*batch).graph.as_graph_def()
   nodes = list(graph_def.node)
   for function in graph_def.library.function:
     nodes += list(function.node_def)
@@ -243,17 +248,30 @@ def test_log_timing_times_only_the_step_that_ends_at_a_log_line(tmp_path):
   cfg = config(tmp_path, train_steps=6, log_every=3,
                **dict(pipeline("zb_h1", 2, 4), pipeline_timing="log"))
   trainer = build(cfg)
-  assert trainer._segments(0, 2) == [(2, False)]
-  assert trainer._segments(2, 1) == [(1, True)]
-  assert trainer._segments(3, 3) == [(2, False), (1, True)]
+  assert trainer.segments(0, 2) == [(2, "untimed")]
+  assert trainer.segments(2, 1) == [(1, "timed")]
+  assert trainer.segments(3, 3) == [(2, "untimed"), (1, "timed")]
   trainer.train(2)
-  assert trainer.trace_counts == {False: 1, True: 0}
+  assert trainer.trace_counts == {"untimed": 1}
+  assert trainer.timeline_bars() is None
   assert "pipeline/bubble_measured" not in trainer.report().scalars
-  trainer.train(4)  # Steps 2..5 untimed, then step 6 is logged: timed.
-  assert trainer.trace_counts == {False: 1, True: 1}
+  metrics = trainer.train(4)  # Steps 2..5 untimed, then step 6: timed.
+  assert trainer.trace_counts == {"untimed": 1, "timed": 1}
+  # The timed step's bubble and span go to the report, not the metrics.
+  assert not any("bubble" in k or "span" in k for k in metrics)
   assert 0 <= trainer.report().scalars["pipeline/bubble_measured"] < 1
-  untimed = _op_types(trainer._loops[False], trainer._iterator, 1)
-  timed = _op_types(trainer._loops[True], trainer._iterator, 1)
+  # The measured timeline has every action of the schedule, in each
+  # device's order, one after the other.
+  bars = trainer.timeline_bars()
+  for d, row in enumerate(trainer.schedule.devices):
+    mine = [(a, s, e) for dev, a, s, e in bars if dev == d]
+    assert [a for a, _, _ in mine] == list(row)
+    assert all(s <= e for _, s, e in mine)
+    assert all(e <= s for (_, _, e), (_, s, _) in zip(mine, mine[1:]))
+  batch = (tf.constant(trainer.dataset.train_x[:48]),
+           tf.constant(trainer.dataset.train_y[:48]))
+  untimed = _op_types(trainer, "untimed", batch)
+  timed = _op_types(trainer, "timed", batch)
   actions = sum(len(row) for row in trainer.schedule.devices)
   assert untimed["Timestamp"] == untimed["stamp"] == 0
   assert timed["Timestamp"] == 1 and timed["stamp"] == 2 * actions
@@ -294,6 +312,29 @@ def test_deterministic_runs_untimed_and_says_so(tmp_path, op_determinism,
   timed.close()
 
 
+# -- planning: before the placed build --
+
+def test_plan_cuts_the_probe_the_run_starts_from(tmp_path):
+  cfg = config(tmp_path, **pipeline("zbv", 2, 4))
+  names = devices.configure(cfg.num_devices, "cpu")
+  dataset = data.load(cfg)
+  keras.utils.set_random_seed(cfg.seed)
+  plan = planner.plan(cfg, dataset, names, traced=False)
+  keras.utils.set_random_seed(cfg.seed)
+  fresh = models.build_for(cfg, dataset)  # What sync starts from.
+  assert max_diff(plan.initial_weights, fresh.get_weights()) == 0
+  chosen = plan.chosen
+  assert plan.candidates == (chosen,) and chosen.name == "zbv"
+  assert plan.skipped == ()
+  assert chosen.schedule.placement == (0, 1, 1, 0)
+  # Four chunks (the V of ZB-V) of consecutive layers, all of them.
+  assert [s.index for s in chosen.spans] == [0, 1, 2, 3]
+  assert [s.start for s in chosen.spans] == [0] + [
+      s.end for s in chosen.spans[:-1]]
+  assert chosen.spans[-1].end == len(fresh.layers)
+  assert chosen.split_how == "params"
+
+
 # -- auto: the fastest predicted schedule within the memory budget --
 
 def test_auto_picks_the_fastest_predicted_schedule_that_fits(
@@ -308,12 +349,11 @@ def test_auto_picks_the_fastest_predicted_schedule_that_fits(
   assert len(table) == 1
   for name in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv"):
     assert f" {name} " in table[0]
-  chosen = trainer.plan.prediction
+  chosen = trainer.plan.chosen.prediction
   assert trainer.summary()["pipeline_schedule"] == trainer.schedule_name
   assert f"* {trainer.schedule_name} " in table[0]
   # No other candidate is predicted faster.
-  from dist_loop.modes.pipeline import planner  # pylint: disable=g-import-not-at-top
-  plans = trainer.plans
+  plans = trainer.plan.candidates
   assert {"gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv"} <= {
       p.name for p in plans}
   assert chosen.step_time == min(p.prediction.step_time for p in plans)
@@ -340,37 +380,97 @@ def test_auto_picks_the_fastest_predicted_schedule_that_fits(
   trainer.close()
 
 
-def test_traced_costs_time_each_layer_as_the_executor_runs_it():
+def _dense_chunks():
+  """Two chunks of Dense layers (one, then two), built; one micro-batch."""
   keras.utils.set_random_seed(0)
   layers = [keras.layers.Dense(256, activation="relu"),
             keras.layers.Dense(4, activation="relu"), keras.layers.Dense(10)]
   keras.Sequential(layers).build((None, 64))
-  x = tf.random.normal([32, 64])
-  y = tf.zeros([32], tf.int32)
+  return ([layers[:1], layers[1:]], tf.random.normal([32, 64]),
+          tf.zeros([32], tf.int32))
+
+
+def test_chunk_timer_times_each_chunks_own_ops_on_every_device():
+  chunks, x, y = _dense_chunks()
+  task = tasks.TASKS.get("classification")()
+  timer = timing.ChunkTimer(chunks, x, y, task, ["/CPU:0", "/CPU:1"])
+  # What is timed: micro-batch 0 runs F, then I and W from the last chunk
+  # back; micro-batch 1 runs F, then B (timed whole, not as I + W).
+  assert [f"{a}c{a.chunk}" for a in timer.row] == [
+      "F0c0", "F0c1", "I0c1", "W0c1", "I0c0", "W0c0",
+      "F1c0", "F1c1", "B1c1", "B1c0"]
+  concrete = timer.step.get_concrete_function(*timer.inputs)
+  by_scope = collections.defaultdict(list)
+  for op in _live(concrete):
+    by_scope[op.name.split("/")[0]].append(op)
+  owner = {internal.name: c for external, internal in concrete.graph.captures
+           for c, chunk in enumerate(chunks) for layer in chunk
+           for v in layer.trainable_variables if external is v.handle}
+  for d in (0, 1):  # Crowded: each device runs every action at once.
+    for a in timer.row:
+      ops = by_scope.pop(f"r{d}_{a.kind}{a.microbatch}_c{a.chunk}")
+      # Every op placed is on device d (reads of a variable, left unplaced,
+      # go where the variable is).
+      assert {tf.DeviceSpec.from_string(op.device).device_index
+              for op in ops if op.device} == {d}, (d, a)
+      # Its chunk's variables, all of them in F, and no other chunk's.
+      read = [owner[op.inputs[0].name] for op in ops
+              if op.type == "ReadVariableOp"]
+      assert read == ([a.chunk] * 2 * len(chunks[a.chunk])
+                      if a.kind == "F" else []), (d, a)
+      # Its chunk's layers' matmuls: one per layer in F and in W, one per
+      # layer with a gradient to send in I (not the first chunk's), both
+      # in B.
+      sends = len(chunks[a.chunk]) if a.chunk else 0
+      expected = {"F": len(chunks[a.chunk]), "W": len(chunks[a.chunk]),
+                  "I": sends, "B": len(chunks[a.chunk]) + sends}[a.kind]
+      assert sum(op.type == "MatMul" for op in ops) == expected, (d, a)
+  # No other action runs (what is left: the inputs, their split, the sum).
+  assert not [s for s in by_scope if re.fullmatch(r"r\d+_[FIWB]\d+_c\d+", s)]
+  assert timer.durations().shape == (2, len(timer.row))
+
+
+def test_chunk_seconds_take_each_action_from_its_column():
+  row = timing.timing_row(2)
+  # Action j's durations are 10 (j + 1) plus 0..5 over 3 runs x 2 devices.
+  durations = (10.0 * np.arange(1, 11)
+               + np.arange(6.0).reshape(3, 2, 1))
+  assert timing.chunk_seconds(row, durations) == [
+      (12.5, 52.5, 62.5, 102.5), (22.5, 32.5, 42.5, 92.5)]
+  # Without B (only micro-batch 0), B is taken as I + W.
+  row = timing.timing_row(2, backward=False)
+  durations = 10.0 * np.arange(1, 7)[None, None]
+  assert timing.chunk_seconds(row, durations) == [
+      (10.0, 50.0, 60.0, 110.0), (20.0, 30.0, 40.0, 70.0)]
+
+
+def test_layer_costs_and_the_costs_of_chunks_from_them():
+  (first, rest), x, y = _dense_chunks()
+  layers = first + rest
   sizes = costs.measure_layers(layers, (64,), 32, repeats=0)
   assert [c.output_bytes for c in sizes] == [32 * 256 * 4, 32 * 4 * 4,
                                             32 * 10 * 4]
-  assert all(c.forward == 0 for c in sizes)
+  assert [c.input_bytes for c in sizes] == [32 * 64 * 4, 32 * 256 * 4,
+                                           32 * 4 * 4]
+  assert all(c.forward == 0 for c in sizes)  # Sizes only.
   task = tasks.TASKS.get("classification")()
   measured = costs.measure_traced(layers, sizes, x, y, task, "/CPU:0")
-  for c in measured:
-    assert c.forward > 0 and c.input_grad > 0 and c.weight_grad > 0
+  for c, size in zip(measured, sizes):
     assert c.backward == c.input_grad + c.weight_grad  # Balance only.
-  # A chunk's B is timed as one action, and crowded beside its copies on
-  # a second device.
-  alone, crowded = costs.measure_chunks([layers[:1], layers[1:]], x, y, task,
-                                        ["/CPU:0", "/CPU:1"])
-  assert len(alone) == len(crowded) == 2
-  for f, i, w, b in alone + crowded:
-    assert min(f, i, w, b) > 0
-  assert measured[0].output_bytes == sizes[0].output_bytes
+    assert (c.input_bytes, c.output_bytes) == (size.input_bytes,
+                                               size.output_bytes)
   chunks = costs.for_chunks(measured, [0, 1, 3], recompute="except_last")
   assert chunks.forward[1] == pytest.approx(measured[1].forward
                                             + measured[2].forward)
   # The first chunk recomputes its forward in its backward; the last not.
   assert chunks.input_grad[0] == pytest.approx(measured[0].input_grad
                                                + measured[0].forward)
+  assert chunks.input_grad[1] == pytest.approx(measured[1].input_grad
+                                               + measured[2].input_grad)
   assert chunks.recomputes == (True, False)
+  assert chunks.activation_bytes == (
+      sizes[0].input_bytes + sizes[0].output_bytes,
+      sum(s.input_bytes + s.output_bytes for s in sizes[1:]))
 
 
 def test_shared_cores_of_logical_cpus_and_of_gpus(monkeypatch):

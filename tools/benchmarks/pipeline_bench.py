@@ -13,9 +13,9 @@ inter-op threads, at most one per core: see `_workers`), every schedule and
 M in {4, 8, 16}, and 1F1B at M=1 (the
 `speedup_vs_m1` base); a wider MLP compares the schedules at K=2, M=8.
 
-Each thread setting is a worker process; the workers take turns round by
-round (each idle while another measures); each variant reports its median
-and min-max spread. A round times `--steps` untimed steps, then one timed
+Each thread setting is a worker process (`pipeline_worker.py`); the
+workers take turns round by round (each idle while another measures); each
+variant reports its median and min-max spread. A round times `--steps` untimed steps, then one timed
 step (`--pipeline_timing=log`) gives the bubble and action durations.
 Memory: the peak of the BFC CPU allocator (shared by the logical devices).
 The prediction is the trainer's own, from the costs it measured at start.
@@ -25,36 +25,19 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
-import time
 from typing import Dict, List
 
-import keras
-
-from dist_loop.models import MODELS
+from tools.benchmarks import pipeline_worker
 
 GLOBAL_BATCH = 1024
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "auto")
-WIDE = {"model": "bench_wide_mlp", "batch": 512, "m": 8}
+# A wider MLP (`pipeline_worker.wide_mlp`), to compare the schedules.
+WIDE = {"model": pipeline_worker.WIDE_MLP, "batch": 512, "m": 8}
 ROUNDS, STEPS = 5, 6
 COLUMNS = ("model", "schedule", "stages", "microbatches", "virtual_stages",
            "step_s_measured", "spread", "step_s_predicted",
            "speedup_vs_one_worker", "ideal_speedup", "speedup_vs_m1",
            "bubble_measured", "bubble_predicted", "peak_mb")
-
-
-@MODELS.register("bench_wide_mlp")
-def wide_mlp(input_shape, num_classes):
-  """A projection to 1024, then eight Dense(1024): four times deep_mlp's work
-  per layer, and as many heavy layers as 2, 4 or 8 chunks can share
-  evenly."""
-  del input_shape
-  return ([keras.layers.Flatten(name="flatten"),
-           keras.layers.Dense(1024, activation="relu", name="dense_in")]
-          + [keras.layers.Dense(1024, activation="relu", name=f"dense_{i}")
-             for i in range(8)]
-          + [keras.layers.Dense(num_classes, name="logits")])
 
 
 def _cores() -> int:
@@ -86,97 +69,13 @@ def _workers(quick: bool) -> List[Dict]:
   return out
 
 
-# -- a worker process: build once, then measure one round per request --
-
-def _trainer(names, spec, variant):
-  from tools.benchmarks import common  # pylint: disable=g-import-not-at-top
-  flat = dict(dataset="synthetic", model=variant["model"],
-              global_batch_size=variant["batch"], optimizer="sgd",
-              learning_rate=0.01, intra_op_threads=spec["intra"],
-              inter_op_threads=spec["inter"], train_steps=10**9,
-              log_every=spec["steps"] + 1, mode="sync", num_devices=1)
-  if variant["k"]:
-    flat.update(mode="pipeline", num_devices=variant["k"],
-                num_stages=variant["k"], stage_split="params",
-                num_microbatches=variant["m"],
-                pipeline_schedule=variant["schedule"])
-  keras.utils.set_random_seed(0)
-  return common.trainer(names[:flat["num_devices"]], flat)[1]
-
-
-def _worker(spec: Dict) -> None:
-  from dist_loop import devices  # pylint: disable=g-import-not-at-top
-  from dist_loop.modes.pipeline import timeline  # pylint: disable=g-import-not-at-top
-  names = devices.configure(spec["devices"], "cpu", spec["intra"],
-                            spec["inter"])
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  trainers = [_trainer(names, spec, v) for v in spec["variants"]]
-  for t in trainers:
-    t.train(spec["steps"] + 1)  # Traces both loops; warms the allocator.
-  say = lambda obj: print(json.dumps(obj), flush=True)  # pylint: disable=unnecessary-lambda-assignment
-  say("ready")
-  for line in sys.stdin:
-    if line.strip() != "round":
-      break
-    rows = []
-    for t in trainers:
-      tf.config.experimental.reset_memory_stats("CPU:0")
-      base = tf.config.experimental.get_memory_info("CPU:0")["current"]
-      t0 = time.perf_counter()
-      t.train(spec["steps"])
-      seconds = time.perf_counter() - t0
-      peak = tf.config.experimental.get_memory_info("CPU:0")["peak"] - base
-      row = {"s": seconds / spec["steps"], "mb": peak / 2**20,
-             "bubble": None}
-      if hasattr(t, "plan"):
-        t.train(1)  # Lands on a log step: the one timed step.
-        scalars = t.report().scalars
-        row.update(bubble=scalars["pipeline/bubble_measured"],
-                   span=scalars["pipeline/step_ms"] / 1e3,
-                   durations=timeline.median_durations(t.timeline_bars()))
-      rows.append(row)
-    say(rows)
-  say([hasattr(t, "plan") and {
-      "name": t.schedule_name, "v": t.schedule.virtual_stages,
-      "step_s": t.plan.prediction.step_time,
-      "bubble": t.plan.prediction.bubble,
-      "peak_mb": t.plan.prediction.peak_mb,
-      "crowded": t.plan.costs.crowded,
-      "bars": [(d, str(a), a.kind, s, e) for d, a, s, e in t.timeline_bars()]}
-       for t in trainers])
-
-
-# -- the suite --
-
-class _Worker:
-  """A worker process, driven one round at a time over its pipes."""
-
-  def __init__(self, spec):
-    self.spec = spec
-    self.proc = subprocess.Popen(
-        [sys.executable, "-m", "tools.benchmarks.pipeline_bench", "--worker",
-         json.dumps(spec)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-        text=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
-                        "TF_CPU_ALLOCATOR_USE_BFC": "true"})
-
-  def ask(self, command):  # The worker's next line, after `command`.
-    if command:
-      self.proc.stdin.write(command + "\n")
-      self.proc.stdin.flush()
-    line = self.proc.stdout.readline()
-    if not line:
-      raise RuntimeError(f"pipeline benchmark worker {self.spec['devices']} "
-                         f"device(s) died (exit {self.proc.wait()})")
-    return json.loads(line)
-
-
 def run(quick: bool = False, rounds: int = None, timeline_path: str = None,
         steps: int = STEPS) -> Dict:
   """Runs every variant; returns {"rows", "table", "targets", ...}."""
   rounds = rounds or (1 if quick else ROUNDS)
   workers = []
   for spec in _workers(quick):  # One at a time: each measures its costs.
-    workers.append(_Worker({**spec, "steps": steps}))
+    workers.append(pipeline_worker.Worker({**spec, "steps": steps}))
     assert workers[-1].ask(None) == "ready"
   measured = [[[] for _ in w.spec["variants"]] for w in workers]
   for _ in range(rounds):
@@ -185,7 +84,7 @@ def run(quick: bool = False, rounds: int = None, timeline_path: str = None,
         store[i].append(row)
   finals = [w.ask("done") for w in workers]
   for w in workers:
-    w.proc.wait()
+    w.close()
   rows = []
   for w, store, final in zip(workers, measured, finals):
     for variant, runs, info in zip(w.spec["variants"], store, final):
@@ -311,11 +210,7 @@ def main(argv=None):
   parser.add_argument("--timeline", default=None,
                       help="write the measured K=2, M=8 timelines as PNG")
   parser.add_argument("--out", default=None, help="write the rows as JSON")
-  parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
-  if args.worker:
-    _worker(json.loads(args.worker))
-    return
   result = run(args.quick, args.rounds, args.timeline, args.steps)
   print(result["table"])
   for name, (value, met) in result["targets"].items():

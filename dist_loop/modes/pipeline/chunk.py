@@ -20,7 +20,7 @@ schedules split B in two, and no FLOP is done twice:
   op: `x^T dz` for a MatMul), then the weight side down to the variables.
   It never goes back through the data path.
 
-The ops a gradient function builds that a split action does not use (the
+The ops a gradient function builds that I or W does not use (the
 data-input gradient of a join in W, the weight gradient in I) are pruned
 when the function is instantiated, as TensorFlow prunes every op whose
 value nobody reads.
@@ -67,25 +67,26 @@ class Chunk:
   """Consecutive layers that run as one unit of a pipeline schedule."""
 
   def __init__(self, layers, first: bool, recompute: bool,
-               head: Optional[Head] = None, split: bool = True):
+               head: Optional[Head] = None, split_backward: bool = True):
     """Args:
       layers: the chunk's Keras layers, in order.
       first: the model's first chunk (its input is data: no gradient).
       recompute: keep only the input between F and the backward.
       head: for the model's last chunk, the loss (see `Head`).
-      split: whether the schedule runs I and W (F then lists its ops).
+      split_backward: whether the schedule runs the backward as I and W
+        (F then lists its ops, to find the joins).
     """
     self.layers = list(layers)
     self.first = first
     self.recompute = recompute
     self.head = head
-    self.split = split
+    self.split_backward = split_backward
     self.variables = [v for layer in self.layers
                       for v in layer.trainable_variables]
 
   def _run(self, x, reg_in, head_args) -> Record:
     graph = tf.compat.v1.get_default_graph()
-    start = len(graph.get_operations()) if self.split else None
+    start = len(graph.get_operations()) if self.split_backward else None
     out = x
     for layer in self.layers:
       out = layer(out, training=True)

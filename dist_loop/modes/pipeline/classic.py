@@ -1,6 +1,6 @@
 """The one-chunk schedules: GPipe, 1F1B, and the 1F1B family's helper.
 
-Each device holds one chunk (a stage) and runs F and B. A variant of 1F1B
+Each device (stage) holds one chunk and runs F and B. A variant of 1F1B
 is its warm-up depths: `warmup_then_alternate` builds the rest (see
 experiments/extensions/eager_1f1b.py).
 """

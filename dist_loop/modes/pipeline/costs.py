@@ -1,22 +1,13 @@
 """What each layer and chunk costs, measured at start, and the simulator's
 costs of a plan's chunks from them.
 
-`measure_chunks` times chunks as the executor runs them: every chunk of a
-one-device schedule, on two micro-batches of real data (the first runs each
-chunk's F, then its I and W in reverse; the second F, then B in reverse),
-traced and run a few times with per-action timestamps; the median of each
-action is kept. Those are the ops, the per-action overhead and the thread
-pools of the run itself, and one action at a time: so a B may use a second
-core for its weight gradient while its input gradient runs, which is why
-B is measured and not taken as I + W. `measure_traced` does this with one
-layer per chunk and the first micro-batch only (B = I + W), to partition
-the model; the planner then measures each candidate's own chunks (a chunk
-of n layers pays one action's overhead, not n), alone and crowded
-(the same actions on several devices at once: beside other work an action
-has no core to spare and shares the memory). Under op determinism
-timestamps are refused, and `measure_layers` times each layer eagerly
-instead (rough: eager dispatch adds time per op that a traced step does
-not pay, a lot for small micro-batches).
+`measure_traced` times each layer as a chunk of its own, as the executor
+runs it (`timing.py`), on the first micro-batch only (B = I + W), to
+partition the model; the planner then times each candidate's own chunks (a
+chunk of n layers pays one action's overhead, not n), alone and crowded.
+Under op determinism timestamps are refused, and `measure_layers` times
+each layer eagerly instead (rough: eager dispatch adds time per op that a
+traced step does not pay, a lot for small micro-batches).
 
 Sizes are counted at layer boundaries: a layer's backward needs its input
 and (for its activation's derivative) its output, so a chunk keeps
@@ -34,11 +25,11 @@ import math
 import os
 import statistics
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
 import numpy as np
 
-from dist_loop.modes.pipeline.schedule import B, I, F, W, Schedule
+from dist_loop.modes.pipeline import timing
 from dist_loop.modes.pipeline.simulator import ChunkCosts
 
 
@@ -132,71 +123,11 @@ def measure(layers, dataset, microbatch: int, input_dtype: str, task,
                         device)
 
 
-# Per chunk: (F, I, W, B) seconds of one micro-batch.
-ChunkSeconds = Tuple[float, float, float, float]
-
-
-def measure_chunks(chunks: Sequence[Sequence[object]], x, y, task,
-                   devices: Sequence[str], recompute: str = "never",
-                   repeats: int = 5, backward: bool = True
-                   ) -> Tuple[List[ChunkSeconds], Optional[List[ChunkSeconds]]]:
-  """F, I, W and B seconds of each chunk, traced, one action at a time:
-  (alone, crowded).
-
-  Alone runs on `devices[0]` with the other devices idle; crowded runs the
-  same actions on every device of `devices` at once (None for one device).
-
-  Args:
-    chunks: the model's built layers, cut into consecutive chunks.
-    x, y: one micro-batch of the training data.
-    task: the run's task (the last chunk's loss).
-    devices: where to run.
-    recompute: one of `options.RECOMPUTE` (I and B then run F again).
-    repeats: timed runs (after one that traces).
-    backward: also time B (else B is taken as I + W: half the work).
-  """
-  alone = _time_chunks(chunks, x, y, task, devices[:1], recompute, repeats,
-                       backward)
-  crowded = (_time_chunks(chunks, x, y, task, devices, recompute, repeats,
-                          backward) if len(devices) > 1 else None)
-  return alone, crowded
-
-
-def _time_chunks(chunks, x, y, task, devices, recompute, repeats, backward):
-  """`measure_chunks` on `devices` at once: the medians over the runs and
-  the devices."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from dist_loop.modes.pipeline.executor import PipelineExecutor  # pylint: disable=g-import-not-at-top
-  n = len(chunks)
-  back = list(reversed(range(n)))
-  row = ([F(0, c) for c in range(n)]
-         + [a for c in back for a in (I(0, c), W(0, c))])
-  if backward:
-    row += [F(1, c) for c in range(n)] + [B(1, c) for c in back]
-  m = 2 if backward else 1
-  # Each device a replica of a one-device pipeline: the same actions.
-  executor = PipelineExecutor(
-      chunks, Schedule.of([row], [0] * n), [[d] for d in devices], m, task,
-      m * len(devices) * len(x), recompute)
-  step = tf.function(lambda x, y: executor.step(x, y, timed=True))
-  xs = tf.concat([x] * (m * len(devices)), 0)
-  ys = tf.concat([y] * (m * len(devices)), 0)
-  runs = []
-  for _ in range(repeats + 1):
-    out = step(xs, ys)
-    runs.extend((out["ends"] - out["starts"]).numpy()[:, 0])
-  seconds = np.median(runs[len(devices):], axis=0)  # Not the traced run.
-  at = {a: float(seconds[i]) for i, a in enumerate(row)}
-  return [(at[F(0, c)], at[I(0, c)], at[W(0, c)],
-           at[B(1, c)] if backward else at[I(0, c)] + at[W(0, c)])
-          for c in range(n)]
-
-
 def measure_traced(layers, layer_costs: Sequence[LayerCost], x, y, task,
                    device: str, repeats: int = 5) -> List[LayerCost]:
   """`layer_costs` with the seconds of a traced run of each layer (each
-  layer a chunk of `measure_chunks`; B taken as I + W: these only balance
-  the chunks, which are then timed themselves).
+  layer a chunk of `timing.measure_chunks`; B taken as I + W: these only
+  balance the chunks, which are then timed themselves).
 
   Args:
     layers: the model's built layers.
@@ -206,33 +137,12 @@ def measure_traced(layers, layer_costs: Sequence[LayerCost], x, y, task,
     device: where to run.
     repeats: timed runs (after one that traces).
   """
-  measured, _ = measure_chunks([[layer] for layer in layers], x, y, task,
-                               [device], repeats=repeats, backward=False)
+  measured, _ = timing.measure_chunks(
+      [[layer] for layer in layers], x, y, task, [device], repeats=repeats,
+      backward=False)
   return [dataclasses.replace(cost, forward=f, input_grad=i, weight_grad=w,
                               backward=b)
           for cost, (f, i, w, b) in zip(layer_costs, measured)]
-
-
-def chunk_measurer(layers, dataset, microbatch: int, task,
-                   devices: Sequence[str], recompute: str, cores: float
-                   ) -> Callable[[Sequence[int]], tuple]:
-  """bounds -> `measure_chunks` of layers [bounds[c], bounds[c+1]), with
-  each distinct cut measured once: crowded on as many of `devices` at once
-  as run without sharing a core (`cores`: `shared_cores`)."""
-  devices = devices[:int(min(cores, len(devices)))]
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  x = tf.constant(dataset.train_x[:microbatch])
-  y = tf.constant(dataset.train_y[:microbatch])
-  cache: Dict[Tuple[int, ...], tuple] = {}
-
-  def measure(bounds):
-    key = tuple(bounds)
-    if key not in cache:
-      cache[key] = measure_chunks(
-          [layers[a:b] for a, b in zip(key, key[1:])], x, y, task, devices,
-          recompute)
-    return cache[key]
-  return measure
 
 
 def shared_cores(devices: Sequence[str], intra_op_threads: int,
@@ -263,8 +173,9 @@ def for_chunks(layer_costs: Sequence[LayerCost], bounds: Sequence[int],
     bounds: the chunks' first layers, and the end.
     recompute: one of `options.RECOMPUTE`; without `measured`, I and B
       then pay the chunk's forward again.
-    measured: the chunks' own (alone, crowded) seconds (`measure_chunks`,
-      with the same recompute); None: the sums of their layers', alone.
+    measured: the chunks' own (alone, crowded) seconds
+      (`timing.measure_chunks`, with the same recompute); None: the sums
+      of their layers', alone.
     cores: `shared_cores`.
   """
   chunks = [layer_costs[a:b] for a, b in zip(bounds, bounds[1:])]

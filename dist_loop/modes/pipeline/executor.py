@@ -41,9 +41,10 @@ import tensorflow as tf
 
 from dist_loop import step as step_core
 from dist_loop.modes.pipeline import schedule as schedule_lib
+from dist_loop.modes.pipeline.action import (BACKWARD, FORWARD, INPUT_GRAD,
+                                             WEIGHT_GRAD)
 from dist_loop.modes.pipeline.chunk import Chunk
-from dist_loop.modes.pipeline.schedule import (BACKWARD, FORWARD, INPUT_GRAD,
-                                               Schedule)
+from dist_loop.modes.pipeline.schedule import Schedule
 from dist_loop.tasks import Task
 
 
@@ -75,13 +76,14 @@ class PipelineExecutor:
     self.task = task
     self.examples_per_update = examples_per_update
     last = self.num_chunks - 1
-    split = {a.chunk for row in schedule.devices for a in row
-             if a.kind == INPUT_GRAD}
+    split_backward = {a.chunk for row in schedule.devices for a in row
+                      if a.kind == INPUT_GRAD}
     self.chunks = [
         Chunk(layers, first=c == 0,
               recompute=recompute == "always" or (
                   recompute == "except_last" and c < last),
-              head=self._head if c == last else None, split=c in split)
+              head=self._head if c == last else None,
+              split_backward=c in split_backward)
         for c, layers in enumerate(chunk_layers)]
     self._clocks = []  # One per device: see `_stamp`.
     for row in self.device_grid:
@@ -157,7 +159,7 @@ class PipelineExecutor:
         if action.kind == FORWARD:
           inputs = ([xs[r * m + i], None] if c == 0
                     else sent[("F", c - 1, i)])
-        elif action.kind == schedule_lib.WEIGHT_GRAD:
+        elif action.kind == WEIGHT_GRAD:
           inputs = []
         else:
           inputs = (None if c == self.num_chunks - 1
@@ -204,7 +206,7 @@ class PipelineExecutor:
       sent[("F", c, i)] = [record.ys[0],
                            record.ys[1] if len(record.ys) > 1 else None]
       return list(record.ys)
-    if action.kind == schedule_lib.WEIGHT_GRAD:
+    if action.kind == WEIGHT_GRAD:
       return self._accumulate(accum, c, chunk.weight_grad(kept.pop((c, i))))
     grads_out = None if last else [g for g in inputs if g is not None]
     if action.kind == INPUT_GRAD:
@@ -268,7 +270,7 @@ def bubble(starts: tf.Tensor, ends: tf.Tensor) -> tf.Tensor:
 
   For each replica: span = last end - first start over all its devices;
   busy_k = the summed durations of device k's actions; bubble = 1 -
-  sum_k busy_k / (K * span). With equal stages under GPipe or 1F1B this is
+  sum_k busy_k / (K * span). With equal chunks under GPipe or 1F1B this is
   (K-1)/(M+K-1).
   """
   busy = tf.reduce_sum(ends - starts, axis=-1)  # [R, K]

@@ -6,9 +6,9 @@ its chunks in groups of K micro-batches (K micro-batches through its first
 chunk, the same K through its second, ...), its backward units the same
 with the chunks reversed; a device warms up with (K-d-1)*2 + (V-1)*K
 forward units, then alternates one forward and one backward unit, then
-drains. A chunk is 1/V of a stage, so the warm-up and drain shrink V times:
-the bubble is about (K-1)/(V*M), at the price of V times the transfers
-between devices.
+drains. A chunk is 1/V of a device's layers, so the warm-up and drain
+shrink V times: the bubble is about (K-1)/(V*M), at the price of V times
+the transfers between devices.
 """
 
 from dist_loop.errors import UserError

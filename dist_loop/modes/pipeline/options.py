@@ -12,19 +12,24 @@ TIMING = ("log", "every", "never")
 
 @dataclasses.dataclass(frozen=True)
 class PipelineOptions:
-  """Stages, micro-batches, the schedule, and recomputation."""
+  """Stages (devices), micro-batches, the schedule, and recomputation.
+
+  A stage is a device of one pipeline; a chunk is a group of consecutive
+  layers, and a stage holds one chunk, or V of them (`virtual_stages`).
+  """
 
   num_stages: int = option(
-      2, "Pipeline stages K; --num_devices=R*K runs R data-parallel "
-      "pipelines.", lower=1, layout=True)
+      2, "Pipeline stages K: the devices of one pipeline; --num_devices=R*K "
+      "runs R data-parallel pipelines.", lower=1, layout=True)
   stage_split: str = option(
-      "auto", "How the layers are cut into stages: auto (the model's own "
-      "split if it declares one, else balance measured time), params "
-      "(balance parameter counts), explicit (--split_points).",
-      choices=STAGE_SPLITS, layout=True)
+      "auto", "How the layers are cut into the schedule's chunks (one or V per "
+      "stage): auto (the model's own split if it declares one, else "
+      "balance measured time), params (balance parameter counts), explicit "
+      "(--split_points).", choices=STAGE_SPLITS, layout=True)
   split_points: str = option(
-      "", "For --stage_split=explicit: K-1 increasing layer indices where "
-      "stages start, e.g. 2,4.", layout=True)
+      "", "For --stage_split=explicit: C-1 increasing layer indices where "
+      "chunks start (C chunks: K, or K*V with --virtual_stages), e.g. 2,4.",
+      layout=True)
   num_microbatches: int = option(
       4, "Micro-batches M per replica batch; use M >= 4K for a small "
       "bubble.", lower=1)

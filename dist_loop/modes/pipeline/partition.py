@@ -1,8 +1,8 @@
 """Cutting a model's ordered layer list into C contiguous chunks.
 
 A schedule runs C = K*V chunks (V per device; V=1 for GPipe and 1F1B, where
-a chunk is a stage). A partition is a list of split points: the layer
-indices where chunks 1..C-1 start (`--split_points=2,4` gives layers
+each device holds one chunk). A partition is a list of split points: the
+layer indices where chunks 1..C-1 start (`--split_points=2,4` gives layers
 [0,2), [2,4), [4,L)). Three ways to choose them (`--stage_split`):
 
 * explicit: the user's `--split_points`;
@@ -24,8 +24,8 @@ from dist_loop.errors import UserError
 
 
 @dataclasses.dataclass(frozen=True)
-class Stage:
-  """Layers [start, end) of the model, as one chunk of the pipeline."""
+class ChunkSpan:
+  """Layers [start, end) of the model: which layers form chunk `index`."""
 
   index: int
   start: int
@@ -66,33 +66,33 @@ def check_split_points(points: Sequence[int], num_chunks: int,
                     "strictly increasing")
 
 
-def balance(costs: Sequence[float], num_stages: int) -> List[int]:
-  """Split points that minimise the largest stage's summed cost.
+def balance(costs: Sequence[float], num_chunks: int) -> List[int]:
+  """Split points that minimise the largest chunk's summed cost.
 
   Args:
     costs: one non-negative cost per layer, in order.
-    num_stages: K, at most len(costs).
+    num_chunks: C, at most len(costs).
 
   Returns:
-    K-1 increasing split points; every stage has at least one layer.
+    C-1 increasing split points; every chunk has at least one layer.
   """
   n = len(costs)
   prefix = np.concatenate([[0.0], np.cumsum(costs)])
   inf = float("inf")
-  # best[k][j]: the smallest max-stage cost of layers [0, j) in k stages.
-  best = np.full((num_stages + 1, n + 1), inf)
-  cut = np.zeros((num_stages + 1, n + 1), dtype=int)
+  # best[k][j]: the smallest max-chunk cost of layers [0, j) in k chunks.
+  best = np.full((num_chunks + 1, n + 1), inf)
+  cut = np.zeros((num_chunks + 1, n + 1), dtype=int)
   best[0][0] = 0.0
-  for k in range(1, num_stages + 1):
+  for k in range(1, num_chunks + 1):
     for j in range(k, n + 1):
       for i in range(k - 1, j):
         value = max(best[k - 1][i], prefix[j] - prefix[i])
-        # Ties go to the later cut, so earlier stages take more layers and
+        # Ties go to the later cut, so earlier chunks take more layers and
         # parameter-free layers (flatten, pool) stay with what feeds them.
         if value <= best[k][j]:
           best[k][j], cut[k][j] = value, i
   points, j = [], n
-  for k in range(num_stages, 1, -1):
+  for k in range(num_chunks, 1, -1):
     j = cut[k][j]
     points.append(int(j))
   return sorted(points)
@@ -104,7 +104,7 @@ def layer_params(layer) -> int:
 
 def choose(method: str, layers, num_chunks: int, split_points_text: str,
            declared: Optional[Sequence[int]], seconds: Sequence[float],
-           why: str = "") -> Tuple[List[Stage], str]:
+           why: str = "") -> Tuple[List[ChunkSpan], str]:
   """Cuts `layers` into chunks as `--stage_split` says.
 
   Args:
@@ -118,7 +118,7 @@ def choose(method: str, layers, num_chunks: int, split_points_text: str,
     why: where C comes from, for messages (default: --num_stages).
 
   Returns:
-    The chunks, and how the split was chosen (for the log).
+    The chunks' spans, and how the split was chosen (for the log).
 
   Raises:
     UserError: the split points do not cut the model into C chunks.
@@ -140,24 +140,25 @@ def choose(method: str, layers, num_chunks: int, split_points_text: str,
     points, how = balance(seconds, num_chunks), "measured time"
   check_split_points(points, num_chunks, n, why)
   bounds = [0] + list(points) + [n]
-  stages = []
-  for k in range(num_chunks):
-    part = slice(bounds[k], bounds[k + 1])
-    stages.append(Stage(k, bounds[k], bounds[k + 1],
-                        tuple(layer.name for layer in layers[part]),
-                        sum(params[part]), sum(seconds[part])))
-  return stages, how
+  spans = []
+  for c in range(num_chunks):
+    part = slice(bounds[c], bounds[c + 1])
+    spans.append(ChunkSpan(c, bounds[c], bounds[c + 1],
+                           tuple(layer.name for layer in layers[part]),
+                           sum(params[part]), sum(seconds[part])))
+  return spans, how
 
 
-def format_partition(stages: Sequence[Stage], devices: Sequence[str]) -> str:
+def format_partition(spans: Sequence[ChunkSpan],
+                     devices: Sequence[str]) -> str:
   """A table of the chunks: device, layers, parameters, measured time.
 
   Args:
-    stages: the chunks.
+    spans: the chunks' spans.
     devices: each chunk's device.
   """
   lines = []
-  for s in stages:
+  for s in spans:
     lines.append(f"  chunk {s.index} on {devices[s.index]}: layers "
                  f"[{s.start}, {s.end}) {', '.join(s.layer_names)}; "
                  f"{s.params:,} params; {s.seconds * 1e3:.2f} ms/micro-batch")

@@ -1,29 +1,24 @@
 """Pipeline schedules as data: for each device, the ordered list of its actions.
 
 The model is cut into C *chunks* of consecutive layers; the schedule's
-`placement` says which device holds each chunk (V = C/K chunks per device;
-V=1 for GPipe and 1F1B, where chunk k is stage k on device k). An action
-works on one (chunk, micro-batch):
-
-* `F`: the chunk's forward;
-* `I`: the input gradient: the gradient sent to the previous chunk, and the
-  gradients at the points where the weights join the data (kept for W);
-* `W`: the chunk's weight gradients, from what I kept;
-* `B`: the whole backward, I then W in one action.
+`placement` says which device (a *stage*) holds each chunk (V = C/K chunks
+per device; V=1 for GPipe and 1F1B, where chunk k is on device k). An action
+(`action.py`: F, I, W or B) works on one (chunk, micro-batch).
 
 A schedule says only the ORDER of the actions on each device; the data
-dependencies are implied (F of chunk c needs F of chunk c-1; I or B of chunk c
-needs its F and the I or B of chunk c+1; W needs its I). The executor runs a
-schedule as given, so a schedule can be printed, tested, simulated
-(`simulator.py`) and drawn before any TensorFlow runs. A new schedule is one
-function registered in `SCHEDULES`; it returns a `Schedule`, or, for one chunk
-per device, just a list of per-stage action lists:
+dependencies are implied by the actions' kinds (`action.needs`). The
+executor runs a schedule as given, so a schedule can be printed, tested,
+simulated (`simulator.py`) and drawn before any TensorFlow runs. A new
+schedule is one function registered in `SCHEDULES`; it returns a
+`Schedule`, or, for one chunk per device, just a list of per-device action
+lists:
 
     @SCHEDULES.register("my_schedule")
     def my_schedule(num_stages, num_microbatches) -> Schedule: ...
 
 A builder that also takes `virtual_stages` (interleaved, ZB-V) is given
-`--virtual_stages`, 0 meaning its own default.
+`--virtual_stages`, 0 meaning its own default. The action types are
+imported from here by builders (`from ...schedule import SCHEDULES, F, B`).
 """
 
 import dataclasses
@@ -31,43 +26,12 @@ import inspect
 from typing import List, Sequence, Tuple
 
 from dist_loop.errors import UserError
+from dist_loop.modes.pipeline.action import (  # noqa: F401  (builders' API)
+    BACKWARD, FORWARD, INPUT_GRAD, KINDS, WEIGHT_GRAD, Action, B, F, I, W,
+    needs, provides)
 from dist_loop.registry import Registry
 
-FORWARD = "F"
-BACKWARD = "B"
-INPUT_GRAD = "I"
-WEIGHT_GRAD = "W"
-KINDS = (FORWARD, INPUT_GRAD, WEIGHT_GRAD, BACKWARD)
 AUTO = "auto"  # --pipeline_schedule=auto: the planner picks (`planner.py`).
-
-
-@dataclasses.dataclass(frozen=True)
-class Action:
-  """One unit of work: `F 3` of a chunk. `chunk` -1 means the chunk of the
-  device whose list holds it (one-chunk schedules written per stage)."""
-
-  kind: str  # One of KINDS.
-  microbatch: int
-  chunk: int = -1
-
-  def __str__(self) -> str:
-    return f"{self.kind}{self.microbatch}"
-
-
-def F(i: int, chunk: int = -1) -> Action:  # pylint: disable=invalid-name
-  return Action(FORWARD, i, chunk)
-
-
-def B(i: int, chunk: int = -1) -> Action:  # pylint: disable=invalid-name
-  return Action(BACKWARD, i, chunk)
-
-
-def I(i: int, chunk: int = -1) -> Action:  # pylint: disable=invalid-name
-  return Action(INPUT_GRAD, i, chunk)
-
-
-def W(i: int, chunk: int = -1) -> Action:  # pylint: disable=invalid-name
-  return Action(WEIGHT_GRAD, i, chunk)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,24 +182,6 @@ def validate(schedule, num_stages: int, num_microbatches: int) -> None:
   execution_order(schedule)
 
 
-# What finishing an action makes available, and what an action needs:
-# ("F", c, i) the activations; ("G", c, i) the gradient for chunk c-1.
-def provides(action: Action) -> List[Tuple[str, int, int]]:
-  c, i = action.chunk, action.microbatch
-  return {FORWARD: [("F", c, i)], INPUT_GRAD: [("G", c, i)],
-          WEIGHT_GRAD: [("W", c, i)],
-          BACKWARD: [("G", c, i), ("W", c, i)]}[action.kind]
-
-
-def needs(action: Action, num_chunks: int) -> List[Tuple[str, int, int]]:
-  c, i = action.chunk, action.microbatch
-  if action.kind == FORWARD:
-    return [("F", c - 1, i)] if c > 0 else []
-  if action.kind == WEIGHT_GRAD:
-    return [("G", c, i)]
-  return [("F", c, i)] + ([("G", c + 1, i)] if c < num_chunks - 1 else [])
-
-
 def execution_order(schedule: Schedule) -> List[Tuple[int, Action]]:
   """All (device, action) pairs in an order that respects every dependency
   and each device's own order (round-robin over the devices that can go).
@@ -284,7 +230,7 @@ def peak_activations(actions: Sequence[Action]) -> int:
 
 
 def bubble_formula(num_stages: int, num_microbatches: int) -> float:
-  """GPipe's idle fraction (K-1)/(M+K-1), for equal stages."""
+  """GPipe's idle fraction (K-1)/(M+K-1), for equal chunks."""
   return (num_stages - 1) / (num_microbatches + num_stages - 1)
 
 

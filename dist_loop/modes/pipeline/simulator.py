@@ -28,11 +28,11 @@ import dataclasses
 import math
 from typing import Dict, List, Sequence, Tuple
 
+from dist_loop.modes.pipeline import action as action_lib
 from dist_loop.modes.pipeline import schedule as schedule_lib
-from dist_loop.modes.pipeline.schedule import (BACKWARD, FORWARD, INPUT_GRAD,
-                                               WEIGHT_GRAD, Action, Schedule)
-
-KINDS = (FORWARD, INPUT_GRAD, WEIGHT_GRAD, BACKWARD)  # `crowded`'s order.
+from dist_loop.modes.pipeline.action import (BACKWARD, FORWARD, INPUT_GRAD,
+                                             KINDS, WEIGHT_GRAD, Action)
+from dist_loop.modes.pipeline.schedule import Schedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +50,8 @@ class ChunkCosts:
   overhead: float = 0.0  # Per action.
   transfer: float = 0.0  # Per dependency that crosses devices.
   cores: float = math.inf  # Actions that run at once without sharing.
-  # Per chunk: (F, I, W, B) seconds while other actions run; () = alone's.
+  # Per chunk: (F, I, W, B) seconds (`KINDS`' order) while other actions
+  # run; () = alone's.
   crowded: Tuple[Tuple[float, float, float, float], ...] = ()
 
   @classmethod
@@ -151,7 +152,7 @@ def _timeline(schedule: Schedule, costs: ChunkCosts) -> List[Bar]:
       if d in running or position[d] == len(rows[d]):
         continue
       action = rows[d][position[d]]
-      needs = schedule_lib.needs(action, schedule.num_chunks)
+      needs = action_lib.needs(action, schedule.num_chunks)
       if not all(n in done for n in needs):
         continue
       ready = free[d]
@@ -176,7 +177,7 @@ def _timeline(schedule: Schedule, costs: ChunkCosts) -> List[Bar]:
       if end <= now:
         del running[d]
         bars.append((d, r.action, r.start, end))
-        for key in schedule_lib.provides(r.action):
+        for key in action_lib.provides(r.action):
           done[key] = (end, d)
         free[d] = end
         position[d] += 1

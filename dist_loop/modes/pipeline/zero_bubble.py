@@ -10,8 +10,8 @@ a device defer its Ws into the time it would otherwise idle.
   F = I = W the bubble falls from 1F1B's (K-1)/(M+K-1) to (K-1)/(3M+K-1).
 * `zbv`: two chunks per device in a V (device d holds chunks d and 2K-1-d,
   so the first and the last chunk share device 0 and a micro-batch turns
-  round on device K-1). Each chunk is half a stage; at most 2K live chunk
-  activations per device, 1F1B's peak in bytes. It is built by a
+  round on device K-1). Each chunk is half a device's layers; at most 2K
+  live chunk activations per device, 1F1B's peak in bytes. It is built by a
   memory-bounded list scheduler (`greedy`) run once with unit costs: at
   every time step each free device starts the next ready I (earlier chunks
   first), else the next ready F if it holds fewer activations than its
