@@ -60,7 +60,8 @@ def test_means_cover_every_example_and_leave_regularisation_out(case):
   # every mean.
   dataset = Dataset(np.zeros((5, FEATURES), np.float32),
                     np.zeros(5, np.int32), x, y, CLASSES)
-  result = Evaluator(model, dataset, BATCH).evaluate()
+  evaluator = Evaluator(model, dataset, BATCH)
+  result = evaluator.evaluate()
 
   loss, accuracy, losses = _expected(kernel, bias, x, y)
   assert set(result) == {"eval/loss", "eval/accuracy"}
@@ -70,9 +71,10 @@ def test_means_cover_every_example_and_leave_regularisation_out(case):
   # batches, the mean would be another number.
   assert abs(losses[:6].mean() - loss) > 0.1
   assert abs(losses.sum() / 9 - loss) > 0.1
-  # Repeated evaluations read the current weights.
+  # A later evaluation reads the weights as they are then: all zero, every
+  # class equally likely.
   model.layers[0].set_weights([kernel * 0, bias * 0])
-  again = Evaluator(model, dataset, BATCH).evaluate()
+  again = evaluator.evaluate()
   np.testing.assert_allclose(again["eval/loss"], np.log(CLASSES), rtol=1e-5)
 
 
