@@ -2,12 +2,21 @@
 
 TensorFlow fixes the device list when it starts, so it is set here, before
 any test touches TensorFlow; runs on fewer devices use the first N.
+
+Every test is bounded by pytest-timeout (the `timeout` in pyproject.toml, or
+a test's `@pytest.mark.timeout(seconds)`): at the bound a test still running
+Python fails with its name and its stack, and the run goes on. A test stuck
+in native code (a TensorFlow op or destructor) never returns to Python to
+see that; for it a backstop, armed below, prints every thread's stack and
+ends the process, and pytest-xdist names the test and starts a new worker.
 """
 
 import contextlib
+import faulthandler
 import glob
 import io
 import os
+import signal
 import subprocess
 import sys
 
@@ -22,6 +31,41 @@ NUM_TEST_DEVICES = 4
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 devices.configure(NUM_TEST_DEVICES, "cpu")
+
+# A shell's background job (`make test &`) starts with Ctrl-C ignored, and
+# the tests that send a real SIGINT (to this process or to the programs it
+# starts, which inherit it) would wait for nothing. Behave as a foreground
+# run does.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+  signal.signal(signal.SIGINT, signal.default_int_handler)
+
+# The terminal's stderr, for the backstop: set before pytest captures
+# output, so the stacks reach the terminal and not a test's captured text.
+_stderr = None
+
+
+def pytest_configure(config):
+  global _stderr
+  del config  # Unused.
+  _stderr = os.dup(2)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_timeout_set_timer(item, settings):
+  """The backstop: one more timeout (at most a minute) after the test's own.
+
+  pytest-timeout's own timer (`timeout_method = "signal"`) runs after this.
+  """
+  del item
+  faulthandler.dump_traceback_later(
+      settings.timeout + min(60, settings.timeout), exit=True,
+      file=_stderr if _stderr is not None else sys.stderr)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_timeout_cancel_timer(item):
+  del item
+  faulthandler.cancel_dump_traceback_later()
 
 
 def checkpoint_variables(config):

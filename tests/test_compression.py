@@ -24,7 +24,7 @@ from dist_loop.cluster import Cluster
 from dist_loop.errors import UserError
 from dist_loop.modes.sync.options import SyncOptions
 from dist_loop.summaries import LOGDIR
-from test_sync import make_trainer, variables
+from helpers import make_trainer, variables
 
 STEPS = 12
 # The mlp on synthetic data: kernels 10x128 and 128x10, biases 128 and 10.

@@ -204,3 +204,39 @@ def test_config_reads_no_environment():
   names = {n.attr if isinstance(n, ast.Attribute) else n.id
            for n in ast.walk(tree) if isinstance(n, (ast.Attribute, ast.Name))}
   assert not names & {"environ", "getenv"}
+
+
+# -- the tests' own imports --
+
+TESTS = os.path.join(REPO, "tests")
+# Test files that still import from another test file; what they share
+# belongs in tests/helpers.py. The list may only shrink.
+IMPORTS_FROM_TEST_FILES = {
+    ("test_browser", "test_tensorboard"),
+    ("test_multiworker", "test_sync"),
+    ("test_precision", "test_sync"),
+    ("test_sync_equivalence", "test_step"),
+}
+
+
+def test_no_new_test_file_imports_another():
+  """Any import of one test file by another, at the top or in a function."""
+  test_modules = {name[:-len(".py")] for name in os.listdir(TESTS)
+                  if name.startswith("test_") and name.endswith(".py")}
+  found = set()
+  for module in sorted(test_modules):
+    with open(os.path.join(TESTS, module + ".py"), encoding="utf-8") as f:
+      tree = ast.parse(f.read(), module)
+    for node in ast.walk(tree):
+      if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+      elif isinstance(node, ast.ImportFrom) and not node.level:
+        names = [node.module]
+      else:
+        continue
+      found |= {(module, n.split(".")[0]) for n in names
+                if n.split(".")[0] in test_modules}
+  new = found - IMPORTS_FROM_TEST_FILES
+  assert not new, ("test files that import from another test file; move "
+                   "what they share into tests/helpers.py:\n" + "\n".join(
+                       f"  tests/{a}.py imports {b}" for a, b in sorted(new)))

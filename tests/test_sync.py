@@ -4,37 +4,15 @@ metrics, non-finite detection, resume."""
 import json
 import os
 
-import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from conftest import checkpoint_variables, max_diff
-from dist_loop import configure, data, devices, train
-from dist_loop.cluster import Cluster
+from dist_loop import train
 from dist_loop.data.base import DATASETS, Dataset
 from dist_loop.errors import NonFiniteError
-from dist_loop.modes import build_trainer
-
-
-def make_trainer(config):
-  """The config's trainer, built in this process as `train.run` builds it,
-  without the controller (no evaluation, checkpoints or summaries)."""
-  config = configure.validate(config, Cluster())
-  keras.utils.set_random_seed(config.seed)
-  return build_trainer(config, devices.configure(config.num_devices, "cpu"),
-                       data.load(config), Cluster())
-
-
-def variables(trainer):
-  return [np.asarray(v) for v in trainer.model.trainable_variables]
-
-
-def replica_copies(trainer):
-  """Every replica's copy of every trainable variable."""
-  return [[t.numpy() for t in
-           trainer.strategy.experimental_local_results(v.value)]
-          for v in trainer.model.trainable_variables]
+from helpers import make_trainer, replica_copies, variables
 
 
 def _spy_all_reduce(monkeypatch):

@@ -8,8 +8,8 @@ once per replica or micro-batch instead of once per step.
 """
 
 from conftest import max_diff
+from helpers import make_trainer, variables
 from test_step import REGULARISED_MODEL  # Registers the model.
-from test_sync import make_trainer, variables
 
 STEPS = 12
 

@@ -10,7 +10,7 @@ from conftest import max_diff
 from dist_loop import models, train
 from dist_loop.errors import UserError
 from dist_loop.models.transformer import TransformerOptions
-from test_sync import make_trainer, variables
+from helpers import make_trainer, variables
 
 TINY = dict(num_layers=2, d_model=16, num_heads=2, mlp_ratio=2)
 
