@@ -14,7 +14,8 @@ Flagfiles are read here, before absl parses (`expand_flagfiles`): a nested
 from any directory. Ctrl-C at any moment ends the command with one line and
 exit code 130: during start-up (imports, flag parsing) at once, as nothing
 has been written yet; once `main` runs, as a KeyboardInterrupt, so that the
-run releases what it holds (the controller saves a checkpoint first).
+run releases what it holds (the controller saves a checkpoint first). A
+process started with Ctrl-C ignored keeps ignoring it.
 """
 
 import codecs
@@ -27,11 +28,16 @@ from typing import List, Sequence, Tuple
 # to the terminal's stderr, saved here, because start-up may point file
 # descriptor 2 elsewhere for a while (console.native_stderr_filtered).
 _STDERR = os.dup(2) if __name__ == "__main__" else 2
+# A process started with Ctrl-C ignored (a script's background job, which
+# shares the terminal's Ctrl-C with the script) keeps ignoring it.
+_CTRL_C_IGNORED = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
 
 
 def exit_on_ctrl_c(when: str) -> None:
   """From now on, Ctrl-C prints one line, `error: interrupted (Ctrl-C)
-  WHEN`, and exits with code 130 at once."""
+  WHEN`, and exits with code 130 at once (unless it is ignored)."""
+  if _CTRL_C_IGNORED:
+    return
   line = f"error: interrupted (Ctrl-C) {when}\n".encode()
 
   def interrupted(signum, frame):  # pylint: disable=unused-argument
@@ -222,7 +228,8 @@ def main(argv) -> int:
 def _main_interruptible(argv) -> int:
   """`main`, with Ctrl-C raised as KeyboardInterrupt inside it (the run's
   cleanup runs), and an immediate exit again once it returned."""
-  signal.signal(signal.SIGINT, signal.default_int_handler)
+  if not _CTRL_C_IGNORED:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
   try:
     return main(argv)
   finally:

@@ -387,12 +387,15 @@ def test_ctrl_c_while_the_run_starts_is_one_line_and_130(monkeypatch):
                  "resume\n")
 
 
-def _start(*args):
-  """`python -m experiments.train ARGS`, started and left running."""
+def _start(*args, ignore_ctrl_c=False):
+  """`python -m experiments.train ARGS`, started and left running;
+  `ignore_ctrl_c`: as a script's background job starts it."""
+  ignore = lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)
   return subprocess.Popen(
       [sys.executable, "-m", "experiments.train", *args], cwd=REPO,
       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-      env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+      env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+      preexec_fn=ignore if ignore_ctrl_c else None)
 
 
 def _wait_for(condition, proc, what):
@@ -419,12 +422,13 @@ def _interrupt(proc):
     raise
 
 
-def test_ctrl_c_while_reading_a_flagfile_is_one_line_and_130(tmp_path):
-  """The first moment the command waits: its flagfile is a pipe that
-  nobody writes."""
+def _waiting_on_a_pipe(tmp_path, ignore_ctrl_c=False):
+  """The command, started with a pipe as its flagfile and waiting to read
+  it (the first moment it waits), and the pipe's writing end."""
   fifo = str(tmp_path / "flags.fifo")
   os.mkfifo(fifo)
-  proc = _start(f"--flagfile={fifo}", f"--workdir={tmp_path / 'run'}")
+  proc = _start(f"--flagfile={fifo}", f"--workdir={tmp_path / 'run'}",
+                ignore_ctrl_c=ignore_ctrl_c)
   writer = []
 
   def reader_opened():
@@ -435,14 +439,33 @@ def test_ctrl_c_while_reading_a_flagfile_is_one_line_and_130(tmp_path):
     return bool(writer)
 
   _wait_for(reader_opened, proc, "opened its flagfile")
+  return proc, writer[0]
+
+
+def test_ctrl_c_while_reading_a_flagfile_is_one_line_and_130(tmp_path):
+  proc, writer = _waiting_on_a_pipe(tmp_path)
   try:
     out, err = _interrupt(proc)
   finally:
-    os.close(writer[0])
+    os.close(writer)
   assert (proc.returncode, out) == (130, "")
   assert err == ("error: interrupted (Ctrl-C) during start-up; nothing was "
                  "written\n")
   assert not (tmp_path / "run").exists()
+
+
+def test_ctrl_c_stays_ignored_where_it_was_at_start(tmp_path):
+  """Then the command reads its flagfile on: here one that is not UTF-8,
+  refused in one line (before TensorFlow loads)."""
+  proc, writer = _waiting_on_a_pipe(tmp_path, ignore_ctrl_c=True)
+  try:
+    proc.send_signal(signal.SIGINT)
+    os.write(writer, b"--seed=1\n\xff\n")
+  finally:
+    os.close(writer)
+  _, err = proc.communicate(timeout=120)
+  assert proc.returncode == 1, err
+  assert "is not UTF-8 text (byte 0xff at offset 9)" in err
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"),
