@@ -3,10 +3,14 @@
 `Config` holds the run-wide fields; the chosen mode's, model's and dataset's
 own settings travel in `mode_options`, `model_options` and `dataset_options`,
 instances of the options dataclasses they declare (`dist_loop/options.py`).
+Each run-wide field is an `option(...)`: its help text, bounds, choices and
+`--helpfull` group are declared here, next to the field, and the flag layer
+generates the flags from them, so a default or a bound is written once.
 This module imports nothing above it and reads no environment, so a
 `Config` means the same thing wherever it is built.
-`validate()` checks the rules that need neither TensorFlow nor a registry;
-`dist_loop.configure` adds the rules that do.
+`validate()` checks the rules that need neither TensorFlow nor a registry
+(the declared bounds among them); `dist_loop.configure` adds the rules that
+do.
 """
 
 import dataclasses
@@ -14,66 +18,146 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from dist_loop import options as options_lib
 from dist_loop.errors import UserError
+from dist_loop.options import REQUIRED, option
 
 DEVICE_TYPES = ("auto", "cpu", "gpu")
 PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
 NONFINITE_POLICIES = ("raise", "skip", "rollback")
-# Changing these on an existing workdir changes what the checkpoint means
-# (its variables, or the data position of a step). Modes add their own
-# (`option(..., layout=True)`).
-LAYOUT_FIELDS = ("dataset", "model", "num_devices", "global_batch_size",
-                 "grad_accum_steps")
 COMPONENT_FIELDS = ("mode_options", "model_options", "dataset_options")
+
+# Upper bounds. Above each, a value is a typo that would crash the process
+# (or exhaust its memory) instead of failing with a message.
+# numpy's seed range (keras.utils.set_random_seed seeds numpy).
+MAX_SEED = 2**32 - 1
+# Any count of steps: far beyond a real run, within the 32-bit integers that
+# TensorFlow ops may count with, and an ETA that fits a datetime.timedelta.
+MAX_STEPS = 2**31 - 1
+# Examples in one batch: TensorFlow's int32 shapes overflow at 2**31, and a
+# batch far smaller no longer fits in memory.
+MAX_BATCH = 2**20
+# More threads than cores only add switching, and 1024 is above the core
+# count of any single machine; each thread reserves a stack, so 100000
+# exhausted memory. A fixed number rather than a multiple of this machine's
+# cores, so that a workdir's flags.txt stays valid on another machine.
+MAX_THREADS = 1024
+# Schedulers give seconds to minutes between SIGTERM and SIGKILL; the
+# watchdog's timer fails beyond threading.TIMEOUT_MAX.
+MAX_GRACE_PERIOD_S = 3600.0
+# A peer that has not answered in a day is gone.
+MAX_TIMEOUT_S = 86400.0
+
+# --helpfull groups ("run: the loop").
+_RUN = "the run"
+_DATA = "data and model"
+_OPTIMIZER = "optimizer"
+_DEVICES = "devices"
+_LOOP = "the loop"
+_PRECISION = "precision and accumulation"
+_RELIABILITY = "reliability"
+_CLUSTER = "several processes (TF_CONFIG; see tools/launch.py)"
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
   """Everything a run needs. Field names match the flags one to one."""
 
-  workdir: str
-  dataset: str = "digits"
-  data_dir: Optional[str] = None
-  model: str = "cnn"
-  mode: str = "sync"
-  num_devices: int = 1
-  device_type: str = "auto"
-  global_batch_size: int = 64
-  train_steps: int = 1000
-  optimizer: str = "adam"
-  learning_rate: float = 1e-3
-  seed: int = 0
-  deterministic: bool = False
-  steps_per_loop: int = 10
-  log_every: int = 50
-  eval_every: int = 200
-  checkpoint_every: int = 200
-  histogram_every: int = 0
-  profile_steps: str = ""  # "a,b": TF profiler trace of steps a..b.
-  precision: str = "float32"
-  grad_accum_steps: int = 1
-  nonfinite: str = "raise"
-  max_rollbacks: int = 3
-  # A step whose loss is above this is treated like a non-finite one
-  # (--nonfinite); 0: no bound.
-  max_loss: float = 0.0
-  # A run stops once this many steps in a row were skipped (their update
-  # not applied: --nonfinite=skip, or a float16 loss-scale overflow).
-  max_consecutive_skips: int = 50
-  # A run whose last logged loss is this many times its first is reported
-  # as diverged (and so is a non-finite evaluation); 0: never.
-  diverged_loss_ratio: float = 10.0
-  grace_period_s: float = 30.0
-  allow_config_change: bool = False
-  eval_batch_size: int = 256
-  max_checkpoints: int = 3
-  intra_op_threads: int = 0
-  inter_op_threads: int = 0
-  # Multi-process runs: a collective (or, in ps mode, a round without an
-  # applied update) that waits this long for a peer fails.
-  collective_timeout_s: float = 120.0
-  # Multi-process runs: joining the cluster fails if a peer has not come up
-  # after this long.
-  join_timeout_s: float = 300.0
+  workdir: str = option(
+      REQUIRED, "Directory of the run: checkpoints, TensorBoard events, "
+      "flags.txt, summary.json. Rerunning on the same workdir resumes.",
+      group=_RUN)
+  dataset: str = option("digits", "Registered dataset.", group=_DATA,
+                        layout=True)
+  data_dir: Optional[str] = option(
+      None, "Where file-based datasets (mnist.npz) are read from; default: "
+      "the Keras cache.", group=_DATA)
+  model: str = option("cnn", "Registered model.", group=_DATA, layout=True)
+  mode: str = option("sync", "Parallel mode.", group=_RUN)
+  num_devices: int = option(
+      1, "Devices: logical CPU devices on a CPU-only machine, else the first "
+      "N GPUs.", lower=1, group=_DEVICES, layout=True)
+  device_type: str = option("auto", "auto: GPUs if present, else CPU.",
+                            choices=DEVICE_TYPES, group=_DEVICES)
+  global_batch_size: int = option(
+      64, "Examples per step over all replicas.", lower=1, upper=MAX_BATCH,
+      group=_DATA, layout=True)
+  train_steps: int = option(1000, "Steps to train.", lower=1,
+                            upper=MAX_STEPS, group=_RUN)
+  optimizer: str = option("adam", "Registered optimizer.", group=_OPTIMIZER)
+  learning_rate: float = option(1e-3, "Learning rate.", above=0.0,
+                                group=_OPTIMIZER)
+  seed: int = option(0, "Seed of initialisation and data order.", lower=0,
+                     upper=MAX_SEED, group=_RUN)
+  deterministic: bool = option(
+      False, "Deterministic kernels "
+      "(tf.config.experimental.enable_op_determinism).", group=_RUN)
+  steps_per_loop: int = option(10, "Steps per tf.function call.", lower=1,
+                               upper=MAX_STEPS, group=_LOOP)
+  log_every: int = option(
+      50, "Steps between progress lines and train summaries.", lower=1,
+      upper=MAX_STEPS, group=_LOOP)
+  eval_every: int = option(200, "Steps between evaluations.", lower=1,
+                           upper=MAX_STEPS, group=_LOOP)
+  checkpoint_every: int = option(200, "Steps between checkpoints.", lower=1,
+                                 upper=MAX_STEPS, group=_LOOP)
+  histogram_every: int = option(
+      0, "Steps between weight and gradient histograms (0: never).", lower=0,
+      upper=MAX_STEPS, group=_LOOP)
+  profile_steps: str = option(
+      "", "FIRST,LAST: write a TF profiler trace of these steps to "
+      "TensorBoard's Profile tab.", group=_LOOP)
+  precision: str = option(
+      "float32", "Compute dtype policy; master weights stay float32. "
+      "mixed_float16 adds dynamic loss scaling.", choices=PRECISIONS,
+      group=_PRECISION)
+  grad_accum_steps: int = option(
+      1, "Micro-steps of --global_batch_size examples each, summed before "
+      "one all-reduce and one update (sync mode).", lower=1, upper=MAX_STEPS,
+      group=_PRECISION, layout=True)
+  nonfinite: str = option(
+      "raise", "On a NaN/Inf loss or gradient: raise (stop, naming the "
+      "step), skip (drop that update on every replica), or rollback "
+      "(restore the last checkpoint).", choices=NONFINITE_POLICIES,
+      group=_RELIABILITY)
+  max_rollbacks: int = option(
+      3, "With --nonfinite=rollback: give up after this many.", lower=0,
+      group=_RELIABILITY)
+  max_loss: float = option(
+      0.0, "A step whose loss (in nats) is above this is a divergence, "
+      "handled like a non-finite step (--nonfinite=raise or rollback); 0: no "
+      "bound. A bound of ~100x the first logged loss catches a run that "
+      "blows up.", lower=0.0, group=_RELIABILITY)
+  max_consecutive_skips: int = option(
+      50, "Stop the run once this many steps in a row were skipped "
+      "(--nonfinite=skip, or float16 loss-scale overflows).", lower=1,
+      upper=MAX_STEPS, group=_RELIABILITY)
+  diverged_loss_ratio: float = option(
+      10.0, "Report the run as diverged (a warning, summary.json, exit code "
+      "3) if its last logged loss is this many times its first, or its "
+      "evaluation is non-finite; 0: never.", lower=0.0, group=_RELIABILITY)
+  grace_period_s: float = option(
+      30.0, "After SIGTERM, seconds to save a checkpoint and exit.",
+      lower=0.1, upper=MAX_GRACE_PERIOD_S, group=_RELIABILITY)
+  allow_config_change: bool = option(
+      False, "Resume a workdir even if the model or device layout flags "
+      "differ from flags.txt.", group=_RELIABILITY)
+  eval_batch_size: int = option(256, "Batch size of evaluation.", lower=1,
+                                upper=MAX_BATCH, group=_DATA)
+  max_checkpoints: int = option(3, "Checkpoints kept.", lower=1, group=_LOOP)
+  intra_op_threads: int = option(
+      0, "Threads inside one op (0: TensorFlow's default, one per core).",
+      lower=0, upper=MAX_THREADS, group=_DEVICES)
+  inter_op_threads: int = option(
+      0, "Ops run concurrently (0: TensorFlow's default, one per core).",
+      lower=0, upper=MAX_THREADS, group=_DEVICES)
+  collective_timeout_s: float = option(
+      120.0, "Multi-worker sync: a collective that waits this long for a "
+      "peer fails (CommunicationOptions.timeout_seconds); ps: training fails "
+      "after this long without an applied update.", lower=0.001,
+      upper=MAX_TIMEOUT_S, group=_CLUSTER)
+  join_timeout_s: float = option(
+      300.0, "Multi-process runs: joining the cluster fails if a peer task "
+      "has not come up after this long.", lower=0.001, upper=MAX_TIMEOUT_S,
+      group=_CLUSTER)
   # The options dataclasses of the chosen mode, model and dataset (a
   # registered component may declare `Options`); None means no options or
   # their defaults (`dist_loop.configure.validate` fills them in).
@@ -82,39 +166,9 @@ class Config:
   dataset_options: Any = None
 
   def validate(self) -> "Config":
-    """Checks the run-wide rules. Returns self; raises UserError."""
-    _check_choice("device_type", self.device_type, DEVICE_TYPES)
-    _check_choice("precision", self.precision, PRECISIONS)
-    _check_choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
-    if self.max_rollbacks < 0 or not self.grace_period_s > 0:
-      raise UserError("--max_rollbacks must be >= 0 and --grace_period_s > 0")
-    if not self.max_loss >= 0:  # NaN too.
-      raise UserError(f"--max_loss must be >= 0 (0: no bound), got "
-                      f"{self.max_loss}")
-    for name in ("num_devices", "global_batch_size", "train_steps",
-                 "steps_per_loop", "log_every", "eval_every",
-                 "checkpoint_every", "eval_batch_size", "max_checkpoints",
-                 "grad_accum_steps"):
-      if getattr(self, name) < 1:
-        raise UserError(
-            f"--{name} must be at least 1, got {getattr(self, name)}")
-    for name in ("histogram_every", "intra_op_threads", "inter_op_threads"):
-      if getattr(self, name) < 0:
-        raise UserError(f"--{name} must be >= 0, got {getattr(self, name)}")
-    if self.max_consecutive_skips < 1:
-      raise UserError("--max_consecutive_skips must be at least 1, got "
-                      f"{self.max_consecutive_skips}")
-    if not self.diverged_loss_ratio >= 0:
-      raise UserError("--diverged_loss_ratio must be >= 0 (0: never), got "
-                      f"{self.diverged_loss_ratio}")
-    if not self.join_timeout_s > 0:
-      raise UserError(f"--join_timeout_s must be > 0, got "
-                      f"{self.join_timeout_s}")
-    if not self.collective_timeout_s > 0:
-      raise UserError("--collective_timeout_s must be > 0, got "
-                      f"{self.collective_timeout_s}")
-    if not self.learning_rate > 0:
-      raise UserError(f"--learning_rate must be > 0, got {self.learning_rate}")
+    """Checks the run-wide rules: each field's declared bounds and choices,
+    then the rules between fields. Returns self; raises UserError."""
+    options_lib.check(self)
     if not self.workdir:
       raise UserError("--workdir is empty; name the run's directory, for "
                       "example --workdir=runs/default")
@@ -167,7 +221,7 @@ class Config:
     mode."""
     old = parse_flagfile(previous_flagfile)
     new = parse_flagfile(self.to_flagfile())
-    fields = LAYOUT_FIELDS + sum(
+    fields = options_lib.layout_fields(self) + sum(
         (options_lib.layout_fields(o) for o in self.component_options()), ())
     return [f"--{k}: {old[k]} -> {new[k]}" for k in fields
             if k in old and k in new and old[k] != new[k]]
@@ -217,8 +271,3 @@ def check_divisible(global_batch: int, replicas: int) -> None:
         f"--global_batch_size={global_batch} is not divisible by {replicas} "
         f"replicas; use {options}")
 
-
-def _check_choice(name, value, choices):
-  if value not in choices:
-    raise UserError(
-        f"unknown --{name}={value!r}; choose one of: {', '.join(choices)}")

@@ -6,6 +6,9 @@ as long wherever that compute time comes from (model, batch, contention). The
 sync mode slows its whole step the same way, because a synchronous step waits
 for its slowest replica; the async mode slows only that worker. Both modes
 parse and check the flag with the functions here, at flag-parse time.
+FACTOR is at most `MAX_FACTOR`: the sleep must stay within what `time.sleep`
+accepts (a factor of 1e300 overflowed it), and a hundredfold slow-down is
+past what a straggler study needs.
 """
 
 import dataclasses
@@ -15,6 +18,8 @@ from typing import Optional
 
 from dist_loop.errors import UserError
 from dist_loop.options import option
+
+MAX_FACTOR = 100.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,12 +40,13 @@ def parse(spec: Optional[str]) -> Optional[Straggler]:
   """`"WORKER:FACTOR"` -> Straggler; None or "" -> None.
 
   Raises:
-    UserError: the text is not WORKER:FACTOR with WORKER >= 0, FACTOR >= 1.
+    UserError: the text is not WORKER:FACTOR with WORKER >= 0 and
+      1 <= FACTOR <= MAX_FACTOR.
   """
   if not spec:
     return None
   usage = (f"--straggler={spec!r} must be WORKER:FACTOR, a worker index and a "
-           "slow-down factor >= 1, e.g. --straggler=1:3")
+           f"slow-down factor from 1 to {MAX_FACTOR:g}, e.g. --straggler=1:3")
   worker, sep, factor = spec.partition(":")
   if not sep:
     raise UserError(usage)
@@ -48,7 +54,7 @@ def parse(spec: Optional[str]) -> Optional[Straggler]:
     worker_i, factor_f = int(worker), float(factor)
   except ValueError:
     raise UserError(usage) from None
-  if worker_i < 0 or not factor_f >= 1.0 or factor_f == float("inf"):
+  if worker_i < 0 or not 1.0 <= factor_f <= MAX_FACTOR:
     raise UserError(usage)
   return Straggler(worker_i, factor_f)
 
@@ -85,5 +91,5 @@ def sleep(seconds: float, stop: Optional[threading.Event] = None) -> None:
 def straggler_option():
   """The `--straggler` option, declared alike by the modes that take it."""
   return option(None, "WORKER:FACTOR makes one worker (async) or replica "
-                "(sync) FACTOR times slower, e.g. 1:3; for research and "
-                "benchmarks.")
+                f"(sync) FACTOR times slower (1 to {MAX_FACTOR:g}), e.g. 1:3; "
+                "for research and benchmarks.")

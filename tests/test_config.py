@@ -1,8 +1,7 @@
-"""Config (run-wide fields), options (a component's own), configure (the
-checks that need the registries). No TensorFlow work."""
+"""Config (run-wide fields) and configure (the checks that need the
+registries). No TensorFlow work. Options: tests/test_options.py."""
 
 import dataclasses
-from typing import Optional
 
 import pytest
 
@@ -13,7 +12,6 @@ from dist_loop.config import Config, check_divisible, parse_flagfile
 from dist_loop.errors import UserError
 from dist_loop.modes.pipeline.options import PipelineOptions
 from dist_loop.modes.sync.options import SyncOptions
-from dist_loop.registry import Registry
 
 ONE_PROCESS = Cluster()
 TWO_WORKERS = Cluster({"worker": ["a:1", "b:2"]}, "worker", 0)
@@ -23,15 +21,27 @@ TWO_WORKERS = Cluster({"worker": ["a:1", "b:2"]}, "worker", 0)
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(num_devices=0), "--num_devices must be at least 1, got 0"),
-    (dict(eval_every=0), "--eval_every must be at least 1"),
+    (dict(num_devices=0), "--num_devices must be >= 1, got 0"),
+    (dict(eval_every=0), "--eval_every must be >= 1"),
     (dict(histogram_every=-1), "--histogram_every must be >= 0, got -1"),
-    (dict(learning_rate=0.0), "--learning_rate must be > 0"),
+    (dict(learning_rate=0.0), "--learning_rate must be > 0, got 0.0"),
+    (dict(learning_rate=float("nan")), "--learning_rate must be a number, "
+     "got nan"),
+    (dict(max_loss=float("nan")), "--max_loss must be a number"),
     (dict(workdir=""), "--workdir is empty"),
     (dict(precision="fp8"), "unknown --precision='fp8'; choose one of"),
     (dict(nonfinite="ignore"), "unknown --nonfinite='ignore'"),
     (dict(max_rollbacks=-1), "--max_rollbacks must be >= 0"),
-    (dict(collective_timeout_s=0.0), "--collective_timeout_s must be > 0"),
+    (dict(collective_timeout_s=0.0), "--collective_timeout_s must be >= "
+     "0.001, got 0.0"),
+    (dict(seed=-1), "--seed must be >= 0, got -1"),
+    (dict(seed=2**32), "--seed must be <= 4294967295, got 4294967296"),
+    (dict(grace_period_s=float("inf")), "--grace_period_s must be <= 3600, "
+     "got inf"),
+    (dict(intra_op_threads=100000), "--intra_op_threads must be <= 1024"),
+    (dict(train_steps=2**63), "--train_steps must be <= 2147483647"),
+    (dict(global_batch_size=2**31), "--global_batch_size must be <= "
+     "1048576"),
     (dict(profile_steps="3,1"), "1 <= FIRST <= LAST <= --train_steps=10"),
     (dict(profile_steps="a,b"), "for example --profile_steps=20,25"),
 ])
@@ -39,6 +49,32 @@ def test_each_run_wide_rule_names_the_flag(change, message):
   Config(workdir="w", train_steps=10).validate()  # The base is valid.
   with pytest.raises(UserError, match=message.replace("(", r"\(")):
     Config(workdir="w", train_steps=10).replace(**change).validate()
+
+
+def test_values_at_the_bounds_are_valid():
+  Config(workdir="w", seed=2**32 - 1, grace_period_s=3600.0,
+         intra_op_threads=1024, inter_op_threads=1024,
+         collective_timeout_s=86400.0, join_timeout_s=0.001,
+         max_loss=float("inf"), learning_rate=1e-30).validate()
+
+
+def test_every_run_wide_field_is_declared_as_a_flag():
+  """Help, group and type for each field but the component options;
+  the layout fields are the ones a checkpoint depends on."""
+  specs = options_lib.specs(Config)
+  assert [s.name for s in specs] == [
+      f.name for f in dataclasses.fields(Config)
+      if f.name not in ("mode_options", "model_options", "dataset_options")]
+  for spec in specs:
+    assert spec.help and spec.group, spec.name
+  assert options_lib.layout_fields(Config(workdir="w")) == (
+      "dataset", "model", "num_devices", "global_batch_size",
+      "grad_accum_steps")
+  workdir = specs[0]
+  assert (workdir.name, workdir.type, workdir.default) == ("workdir", str,
+                                                           None)
+  with pytest.raises(TypeError, match="workdir"):
+    Config()  # pylint: disable=no-value-for-parameter
 
 
 def test_profile_range():
@@ -89,53 +125,6 @@ def test_check_divisible_names_the_nearest_batch_sizes():
     check_divisible(2, 3)
 
 
-# -- options --
-
-
-@dataclasses.dataclass(frozen=True)
-class Toy:
-  size: int = options_lib.option(4, "Size.", lower=1, upper=8, layout=True)
-  kind: str = options_lib.option("a", "Kind.", choices=("a", "b"))
-  name: Optional[str] = options_lib.option(None, "Name.")
-  fast: bool = options_lib.option(False, "Fast.")
-
-
-def test_specs_describe_each_option_in_order():
-  specs = options_lib.specs(Toy)
-  assert [(s.name, s.type) for s in specs] == [
-      ("size", int), ("kind", str), ("name", str), ("fast", bool)]
-  assert (specs[0].lower, specs[0].upper, specs[0].layout) == (1, 8, True)
-  assert options_lib.layout_fields(Toy()) == ("size",)
-  assert options_lib.as_dict(None) == {}
-  assert options_lib.names([Toy]) == ["size", "kind", "name", "fast"]
-
-
-@pytest.mark.parametrize("value, message", [
-    (dict(size=0), "--size must be >= 1, got 0"),
-    (dict(size=9), "--size must be <= 8, got 9"),
-    (dict(kind="c"), "unknown --kind='c'; choose one of: a, b"),
-])
-def test_check_refuses_values_out_of_bounds_or_choices(value, message):
-  options_lib.check(Toy(size=8, kind="b", name="x"))
-  options_lib.check(None)
-  with pytest.raises(UserError, match=message):
-    options_lib.check(Toy(**value))
-
-
-def test_registry_choices_are_checked_by_name():
-  registry = Registry("policy", "policy")
-  registry.register("one")(object())
-
-  @dataclasses.dataclass(frozen=True)
-  class WithRegistry:
-    policy: str = options_lib.option("one", "Policy.", choices=registry)
-
-  options_lib.check(WithRegistry())
-  with pytest.raises(UserError, match="unknown --policy='two'; choose one "
-                     "of: one"):
-    options_lib.check(WithRegistry("two"))
-
-
 # -- configure --
 
 
@@ -167,7 +156,7 @@ def test_validate_fills_in_default_options_and_checks_their_type():
     configure.validate(Config(workdir="w", mode_options=PipelineOptions()),
                        ONE_PROCESS)
   with pytest.raises(UserError, match="--dataset=digits takes no options"):
-    configure.validate(Config(workdir="w", dataset_options=Toy()),
+    configure.validate(Config(workdir="w", dataset_options=SyncOptions()),
                        ONE_PROCESS)
 
 

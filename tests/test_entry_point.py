@@ -1,24 +1,34 @@
 """The command line: every flagfile runs, and bad input fails at the door.
 
-The entry point's flag parsing and `main` run in this process
-(`conftest.run_main`); one test runs it as a new process, for the exit code
-and the absence of a traceback.
+The entry point's flagfile reading, flag parsing and `main` run in this
+process (`run_command`, through `conftest.run_main`); the tests of what
+only a real process shows (the exit code without a traceback, Ctrl-C) start
+one. Hostile flag values and flagfiles: tests/test_flag_fuzz.py.
 """
 
 import dataclasses
+import errno
 import glob
 import hashlib
-import json
+import math
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import tensorflow as tf
 from absl import flags
 from absl.testing import flagsaver
 
+import dist_loop
 from conftest import REPO, run_main, run_train
-from dist_loop import Config, train
+from dist_loop import Config, configure, train
+from dist_loop import options as options_lib
+from dist_loop import cluster as cluster_lib
 from experiments import flags as run_flags
+from experiments import train as entry
 from tools import local_cluster
 
 # base.flags is not a run: every other flagfile nests it.
@@ -47,30 +57,53 @@ def launcher_args(flagfile):
   return first.split(":", 1)[1].split()
 
 
+def run_command(*args):
+  """`python -m experiments.train ARGS` in this process, as its `__main__`
+  runs it: flagfiles read, then `conftest.run_main`."""
+  try:
+    argv = entry.expand_flagfiles(["train", *args])
+  except entry.FlagfileError as e:
+    return 1, "", f"error: {e}\n"
+  return run_main(*argv[1:])
+
+
 def _parse_only(*args):
-  """The entry point's flag parsing and checks, without running."""
+  """The entry point's flagfile reading, flag parsing and checks, without
+  running."""
   with flagsaver.flagsaver():
     flags.FLAGS.unparse_flags()
-    flags.FLAGS(["train", *args])
+    flags.FLAGS(entry.expand_flagfiles(["train", *args]))
     return run_flags.to_config()
 
 
+@pytest.fixture(name="cluster_of_this_process")
+def _cluster_of_this_process():
+  """Sets the cluster the entry point uses (`run_flags.cluster()`), then
+  lets the next test read TF_CONFIG again."""
+  yield run_flags.use_cluster
+  run_flags.use_cluster(None)
+
+
 @pytest.mark.parametrize("flagfile", FLAGFILES, ids=os.path.basename)
-def test_every_flagfile_runs_end_to_end(flagfile, tmp_path, monkeypatch):
-  """In one process, as its header's command says. A flagfile for a
-  parameter-server cluster is checked against the cluster its launcher
-  makes, without running (tests/test_ps.py runs that mode's clusters)."""
+def test_every_flagfile_runs_end_to_end(flagfile, tmp_path, monkeypatch,
+                                        cluster_of_this_process):
+  """In one process, as its header's command says, from another directory
+  than the repository's (nested flagfiles are found next to the file that
+  names them). A flagfile for a parameter-server cluster is checked against
+  the cluster its launcher makes, without running (tests/test_ps.py runs
+  that mode's clusters)."""
+  monkeypatch.chdir(tmp_path)
   workdir = tmp_path / "run"
-  args = [f"--flagfile={flagfile}", f"--workdir={workdir}", *SHORT_RUN]
+  args = [f"--flagfile={os.path.relpath(flagfile)}", f"--workdir={workdir}",
+          *SHORT_RUN]
   launcher = dict(a[2:].split("=") for a in launcher_args(flagfile) or ())
   if int(launcher.get("num_ps", 0)):
     spec = local_cluster.cluster_spec(int(launcher["num_workers"]),
                                       int(launcher["num_ps"]))
-    monkeypatch.setenv("TF_CONFIG", json.dumps(
-        {"cluster": spec, "task": {"type": "chief", "index": 0}}))
+    cluster_of_this_process(cluster_lib.Cluster(spec, "chief", 0))
     assert _parse_only(*args).mode == "ps"
     return
-  code, out, err = run_main(
+  code, out, err = run_command(
       *args, *IN_PROCESS, *SHORT_ROUNDS.get(os.path.basename(flagfile), ()))
   assert code == 0, err
   assert "done: step 2" in out
@@ -82,10 +115,101 @@ def test_every_flagfile_runs_end_to_end(flagfile, tmp_path, monkeypatch):
   assert "--train_steps=2\n" in (workdir / "flags.txt").read_text()
 
 
-def test_every_config_field_is_a_flag():
-  fields = {f.name for f in dataclasses.fields(Config)} - {
-      "mode_options", "model_options", "dataset_options"}
-  assert fields == set(run_flags.RUN_FLAGS)
+COMPONENT_FIELDS = ("mode_options", "model_options", "dataset_options")
+FLAG_TYPES = {bool: "bool", int: "int", float: "float", str: "string"}
+
+
+def test_every_config_field_is_a_flag_with_its_default_and_type():
+  fields = [f for f in dataclasses.fields(Config)
+            if f.name not in COMPONENT_FIELDS]
+  for field in fields:
+    flag = flags.FLAGS[field.name]
+    default = (None if field.default is dataclasses.MISSING
+               else field.default)
+    assert flag.default == default, field.name
+    kind = str if default is None else type(default)
+    assert flag.parser.flag_type() in (FLAG_TYPES[kind], "string enum"), (
+        field.name)
+    assert field.metadata["help"] in flag.help, field.name
+  assert flags.FLAGS["workdir"].default is None  # Required: no default.
+
+
+def test_every_flag_of_the_run_is_a_config_field_or_a_components_option():
+  """A flag defined by hand, beside the generated ones, fails here."""
+  ours = {flag.name for module, module_flags
+          in flags.FLAGS.flags_by_module_dict().items()
+          if module.startswith(("run: ", "options of "))
+          for flag in module_flags}
+  fields = {f.name for f in dataclasses.fields(Config)} - set(
+      COMPONENT_FIELDS)
+  assert ours == fields | set(configure.owners())
+  assert set(run_flags.RUN_FLAGS) == fields
+  assert "run: the run" in flags.FLAGS.flags_by_module_dict()
+
+
+# The bounds the issues asked for, written out here rather than read from
+# the declarations: (lowest valid, highest valid); None: unbounded.
+ASKED_BOUNDS = {
+    "seed": (0, 2**32 - 1),
+    "grace_period_s": (0.1, 3600.0),
+    "intra_op_threads": (0, 1024),
+    "inter_op_threads": (0, 1024),
+    "collective_timeout_s": (0.001, 86400.0),
+    "join_timeout_s": (0.001, 86400.0),
+    "train_steps": (1, 2**31 - 1),
+    "global_batch_size": (1, 2**20),
+    "eval_batch_size": (1, 2**20),
+    "grad_accum_steps": (1, 2**31 - 1),
+    "max_loss": (0.0, None),
+}
+
+
+def _bound_cases():
+  """(flag, refused value, accepted value, the bound the refusal names),
+  for each bound each run-wide flag declares, and the asked-for ones."""
+  cases = set()
+  for spec in options_lib.specs(Config):
+    lower, upper = ASKED_BOUNDS.get(spec.name, (spec.lower, spec.upper))
+    float_ = spec.type is float
+    below = (lambda v: math.nextafter(v, -math.inf)) if float_ else (
+        lambda v: v - 1)
+    above = (lambda v: math.nextafter(v, math.inf)) if float_ else (
+        lambda v: v + 1)
+    if lower is not None:
+      cases.add((spec.name, below(lower), lower, lower))
+    if upper is not None:
+      cases.add((spec.name, above(upper), upper, upper))
+    if spec.above is not None:
+      cases.add((spec.name, spec.above, above(spec.above), spec.above))
+    if float_:
+      cases.add((spec.name, math.nan, spec.default, None))
+  return sorted(cases, key=str)
+
+
+@pytest.mark.parametrize("name, refused, accepted, bound", _bound_cases(),
+                         ids=lambda v: str(v))
+def test_a_value_just_outside_a_bound_is_refused_at_parse_time(
+    name, refused, accepted, bound):
+  """In one line that names the bound; the value at the bound passes."""
+  base = ["--dataset=synthetic", "--model=mlp", "--workdir=/tmp/unused"]
+  with pytest.raises(flags.IllegalFlagValueError) as refusal:
+    with flagsaver.flagsaver():
+      flags.FLAGS.unparse_flags()
+      flags.FLAGS(["train", *base, f"--{name}={refused!r}"])
+  message = str(refusal.value)
+  assert "\n" not in message
+  assert message.startswith(f"flag --{name}="), message
+  if bound is not None:
+    assert str(bound) in message or options_lib.show(bound) in message, (
+        message)
+  assert getattr(_parse_only(*base, f"--{name}={accepted!r}"),
+                 name) == accepted
+
+
+def test_every_bound_asked_for_is_declared():
+  specs = {s.name: s for s in options_lib.specs(Config)}
+  for name, (lower, upper) in ASKED_BOUNDS.items():
+    assert (specs[name].lower, specs[name].upper) == (lower, upper), name
 
 
 def test_flags_txt_reproduces_the_run(tmp_path):
@@ -143,6 +267,17 @@ BAD_INPUT = {
                       "/nonexistent/mnist.npz"),
     "stray_argument": (["oops"], "unexpected arguments: oops"),
     "ps_without_cluster": (["--mode=ps"], "python -m tools.launch"),
+    "negative_seed": (["--seed=-1"], "-1 is not an integer in the range "
+                      "[0, 4294967295]"),
+    "seed_of_2_to_the_32": (["--seed=4294967296"], "in the range "
+                            "[0, 4294967295]"),
+    "infinite_grace_period": (["--grace_period_s=inf"], "inf is not a number "
+                              "in the range [0.1, 3600]"),
+    "grace_period_of_1e12": (["--grace_period_s=1e12"], "[0.1, 3600]"),
+    "100000_threads": (["--intra_op_threads=100000"], "100000 is not an "
+                       "integer in the range [0, 1024]"),
+    "huge_straggler": (["--straggler=0:1e300"], "a slow-down factor from 1 "
+                       "to 100"),
 }
 
 
@@ -180,3 +315,177 @@ def test_the_command_exits_non_zero_without_a_traceback(tmp_path,
   errors = [l for l in result.stderr.splitlines() if l.startswith("error:")]
   assert len(errors) == 1 and "/nonexistent/mnist.npz" in errors[0]
   assert not (tmp_path / "run").exists()
+
+
+# -- what the entry point adds around the run --
+
+
+def _fake_run(summary=None, error=None):
+  """A stand-in for `dist_loop.run`: records its cluster, then returns
+  `summary` or raises `error`."""
+  calls = []
+
+  def run(config, cluster=None):
+    calls.append((config, cluster))
+    if error is not None:
+      raise error
+    return summary
+
+  return run, calls
+
+
+CLASSIFIER_SUMMARY = {"final_step": 2, "eval_loss": 0.31, "eval_accuracy":
+                      0.912345, "examples_per_sec": 99.6, "skipped_steps": 0}
+
+
+def test_the_cluster_is_read_once_and_the_run_gets_that_one(
+    monkeypatch, cluster_of_this_process):
+  cluster_of_this_process(None)
+  reads = []
+  read = cluster_lib.current
+  monkeypatch.setattr(cluster_lib, "current",
+                      lambda: reads.append(1) or read())
+  run, calls = _fake_run(CLASSIFIER_SUMMARY)
+  monkeypatch.setattr(dist_loop, "run", run)
+  code, out, err = run_main("--dataset=synthetic", "--model=mlp",
+                            "--workdir=/tmp/unused")
+  assert code == 0, err
+  assert len(reads) == 1
+  assert [cluster for _, cluster in calls] == [run_flags.cluster()]
+  assert out.splitlines()[0] == ("done: step 2, eval accuracy 0.9123, "
+                                 "100 examples/sec")
+
+
+@pytest.mark.parametrize("summary, line", [
+    (CLASSIFIER_SUMMARY, "done: step 2, eval accuracy 0.9123, 100 "
+     "examples/sec"),
+    ({"final_step": 5, "eval_loss": 1.91, "eval_accuracy": 0.5,
+      "eval_bits_per_byte": 2.75559, "examples_per_sec": 10.0},
+     "done: step 5, eval accuracy 0.5, bits per byte 2.7556, 10 "
+     "examples/sec"),
+    ({"final_step": 3, "eval_loss": float("nan"), "examples_per_sec": 1.0},
+     "done: step 3, eval loss nan, 1 examples/sec"),
+    ({"final_step": 3, "eval_loss": 1.0, "eval_accuracy": None},
+     "done: step 3, eval accuracy n/a"),
+    ({"final_step": 0, "examples_per_sec": 0.0},
+     "done: step 0, no evaluation, 0 examples/sec"),
+])
+def test_the_done_line_shows_the_tasks_evaluation(summary, line):
+  assert entry.done_line(summary) == line
+
+
+def test_ctrl_c_while_the_run_starts_is_one_line_and_130(monkeypatch):
+  """Inside `main` Ctrl-C is a KeyboardInterrupt, so the run's cleanup
+  runs; the controller turns one during training into a saved checkpoint
+  (tests/test_controller.py)."""
+  run, _ = _fake_run(error=KeyboardInterrupt())
+  monkeypatch.setattr(dist_loop, "run", run)
+  code, out, err = run_main("--dataset=synthetic", "--model=mlp",
+                            "--workdir=/tmp/unused")
+  assert (code, out) == (130, "")
+  assert err == ("error: interrupted (Ctrl-C); rerun the same command to "
+                 "resume\n")
+
+
+def _start(*args, ignore_ctrl_c=False):
+  """`python -m experiments.train ARGS`, started and left running;
+  `ignore_ctrl_c`: as a script's background job starts it."""
+  ignore = lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)
+  return subprocess.Popen(
+      [sys.executable, "-m", "experiments.train", *args], cwd=REPO,
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+      env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+      preexec_fn=ignore if ignore_ctrl_c else None)
+
+
+def _wait_for(condition, proc, what):
+  """Polls `condition` until it holds; fails if `proc` exits first or after
+  a minute (then `proc` is killed)."""
+  deadline = time.monotonic() + 60
+  while not condition():
+    if proc.poll() is not None:
+      raise AssertionError(f"exited before it {what}: {proc.stderr.read()}")
+    if time.monotonic() > deadline:
+      proc.kill()
+      proc.communicate()
+      raise AssertionError(f"never {what}")
+    time.sleep(0.01)
+
+
+def _interrupt(proc):
+  proc.send_signal(signal.SIGINT)
+  try:
+    return proc.communicate(timeout=60)
+  except subprocess.TimeoutExpired:
+    proc.kill()
+    proc.communicate()
+    raise
+
+
+def _waiting_on_a_pipe(tmp_path, ignore_ctrl_c=False):
+  """The command, started with a pipe as its flagfile and waiting to read
+  it (the first moment it waits), and the pipe's writing end."""
+  fifo = str(tmp_path / "flags.fifo")
+  os.mkfifo(fifo)
+  proc = _start(f"--flagfile={fifo}", f"--workdir={tmp_path / 'run'}",
+                ignore_ctrl_c=ignore_ctrl_c)
+  writer = []
+
+  def reader_opened():
+    try:  # Succeeds once the command has the pipe open to read.
+      writer.append(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError as e:
+      assert e.errno == errno.ENXIO, e
+    return bool(writer)
+
+  _wait_for(reader_opened, proc, "opened its flagfile")
+  return proc, writer[0]
+
+
+def test_ctrl_c_while_reading_a_flagfile_is_one_line_and_130(tmp_path):
+  proc, writer = _waiting_on_a_pipe(tmp_path)
+  try:
+    out, err = _interrupt(proc)
+  finally:
+    os.close(writer)
+  assert (proc.returncode, out) == (130, "")
+  assert err == ("error: interrupted (Ctrl-C) during start-up; nothing was "
+                 "written\n")
+  assert not (tmp_path / "run").exists()
+
+
+def test_ctrl_c_stays_ignored_where_it_was_at_start(tmp_path):
+  """Then the command reads its flagfile on: here one that is not UTF-8,
+  refused in one line (before TensorFlow loads)."""
+  proc, writer = _waiting_on_a_pipe(tmp_path, ignore_ctrl_c=True)
+  try:
+    proc.send_signal(signal.SIGINT)
+    os.write(writer, b"--seed=1\n\xff\n")
+  finally:
+    os.close(writer)
+  _, err = proc.communicate(timeout=120)
+  assert proc.returncode == 1, err
+  assert "is not UTF-8 text (byte 0xff at offset 9)" in err
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"),
+                    reason="reads /proc/PID/maps")
+def test_ctrl_c_while_tensorflow_loads_is_one_line_and_130(tmp_path):
+  """Interrupted once TensorFlow's libraries are being loaded (they are
+  mapped into the process), whatever it does then."""
+  proc = _start("--dataset=synthetic", "--model=mlp",
+                f"--workdir={tmp_path / 'run'}")
+
+  def loading_tensorflow():
+    try:
+      with open(f"/proc/{proc.pid}/maps", encoding="utf-8") as f:
+        return "tensorflow" in f.read()
+    except OSError:
+      return False
+
+  _wait_for(loading_tensorflow, proc, "loaded TensorFlow")
+  _, err = _interrupt(proc)
+  assert proc.returncode == 130, err[-3000:]
+  lines = [line for line in err.splitlines() if line.strip()]
+  assert len(lines) == 1 and lines[0].startswith(
+      "error: interrupted (Ctrl-C)"), err[-3000:]

@@ -1,0 +1,48 @@
+"""The straggler knob (dist_loop/straggler.py): parsing, bounds, delay."""
+
+import threading
+
+import pytest
+
+from dist_loop import straggler
+from dist_loop.errors import UserError
+
+
+def test_parse_reads_worker_and_factor():
+  assert straggler.parse("1:3") == straggler.Straggler(1, 3.0)
+  assert straggler.parse("0:1") == straggler.Straggler(0, 1.0)
+  assert straggler.parse("2:100") == straggler.Straggler(2, 100.0)
+  assert straggler.parse(None) is None and straggler.parse("") is None
+
+
+@pytest.mark.parametrize("spec", [
+    "1", "1:", ":3", "a:3", "1:x", "-1:3", "1:0.5", "1:nan", "1:inf",
+    "0:1e300", "0:100.001"])
+def test_parse_refuses_bad_specs_naming_the_form(spec):
+  with pytest.raises(UserError, match=r"must be WORKER:FACTOR, a worker "
+                     r"index and a slow-down factor from 1 to 100"):
+    straggler.parse(spec)
+
+
+def test_check_names_the_valid_worker_range():
+  straggler.check("1:3", 2, "async workers")
+  straggler.check(None, 1, "async workers")
+  with pytest.raises(UserError, match=r"names worker 2, but the run has 2 "
+                     r"async workers \(0..1\); use --straggler=1:3$"):
+    straggler.check("2:3", 2, "async workers")
+
+
+def test_only_the_straggler_sleeps_factor_minus_one_times_its_compute():
+  slow = straggler.Straggler(1, 3.0)
+  assert slow.delay(1, 0.5) == 1.0
+  assert slow.delay(0, 0.5) == 0.0
+  assert slow.delay(1, -0.1) == 0.0  # A clock that went backwards.
+  assert straggler.Straggler(0, straggler.MAX_FACTOR).delay(0, 2.0) == 198.0
+
+
+def test_sleep_returns_at_once_when_stopped_or_not_positive():
+  stop = threading.Event()
+  stop.set()
+  straggler.sleep(3600.0, stop)  # Would hang the test if it waited.
+  straggler.sleep(0.0)
+  straggler.sleep(-5.0)
