@@ -85,7 +85,7 @@ def test_a_ps_chief_waits_for_its_servers_with_a_bound(caplog):
     worker = stack.enter_context(socket.socket())
     worker.bind(("", ports[1]))
     worker.listen()
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.INFO, logger="absl"):
       with pytest.raises(ClusterError) as error:
         strategy.wait_for_servers(cluster, timeout_s=1.0)
     assert str(error.value).startswith(
