@@ -40,8 +40,10 @@ time.sleep(60)
 """
 
 # Records each of its runs (its cluster spec) in WORKDIR/runs-<job>-<i>; the
-# task named by argv[3] fails with exit code 3 in its first argv[2] runs.
-# Training tasks then finish; servers (a PS cluster's workers and PSs) wait.
+# task named by argv[3] fails with exit code 3 in its first argv[2] runs,
+# once every other task has recorded the same run (else the launcher could
+# stop one before it does). Training tasks then finish; servers (a PS
+# cluster's workers and PSs) wait.
 FAIL_FIRST_RUNS = """
 import json, os, sys, time
 config = json.loads(os.environ["TF_CONFIG"])
@@ -53,7 +55,17 @@ with open(runs, "a") as f:
   f.write(json.dumps(config["cluster"], sort_keys=True) + "\\n")
 with open(runs) as f:
   run = len(f.read().splitlines())
+
+def recorded(path):
+  return os.path.exists(path) and len(open(path).read().splitlines()) >= run
+
 if f"{job}:{index}" == sys.argv[3] and run <= int(sys.argv[2]):
+  others = [os.path.join(workdir, f"runs-{j}-{i}")
+            for j, addresses in config["cluster"].items()
+            for i in range(len(addresses))]
+  deadline = time.monotonic() + 30
+  while time.monotonic() < deadline and not all(map(recorded, others)):
+    time.sleep(0.05)
   print("boom", flush=True)
   sys.exit(3)
 if job == "ps" or (job == "worker" and "ps" in config["cluster"]):
