@@ -2,14 +2,17 @@
 
 At the default `--verbosity=0` a run prints its own lines only: the start
 banner, one progress line per log interval, eval and checkpoint lines, its
-warnings and errors, and the final summary. TensorFlow, Keras and absl log
-through the same Python loggers and the same absl handler as we do, and
-TensorFlow's C++ side writes straight to file descriptor 2, so quieting
-them takes three steps:
+warnings and errors, and the final summary. A failure is one `error:` line;
+what TensorFlow and gRPC logged about it (a lost peer gives dozens of lines)
+is shown from `--verbosity=1` on. TensorFlow, Keras and absl log through the
+same Python loggers and the same absl handler as we do, and TensorFlow's C++
+side writes straight to file descriptor 2, so quieting them takes three
+steps:
 
 * `start(verbosity)`, before TensorFlow is imported: the C++ log level
-  (`TF_CPP_MIN_LOG_LEVEL` is read once, at TensorFlow's first native log
-  line), and the import itself with its native start-up notices (oneDNN,
+  (`TF_CPP_MIN_LOG_LEVEL`, read once, at TensorFlow's first native log line;
+  `--verbosity` sets it whatever the environment says, so one flag rules the
+  terminal), and the import itself with its native start-up notices (oneDNN,
   absl's pre-initialisation warning) filtered out; some of them ignore
   `TF_CPP_MIN_LOG_LEVEL`.
 * `setup(verbosity)`, once flags are parsed: a filter on absl's handler that
@@ -18,8 +21,8 @@ them takes three steps:
 
 | --verbosity | our lines             | TensorFlow, Keras, absl (Python, C++) |
 | ----------- | --------------------- | ------------------------------------- |
-| -1, -2      | warnings, errors only | errors                                |
-| 0 (default) | info and up           | errors                                |
+| -1, -2      | warnings, errors only | fatal only                            |
+| 0 (default) | info and up           | fatal only                            |
 | 1           | debug and up          | warnings and errors                   |
 | 2 and up    | everything            | everything                            |
 
@@ -54,7 +57,13 @@ def library_level(verbosity: int) -> int:
   """The lowest level shown of other libraries' records."""
   if verbosity >= 2:
     return logging.NOTSET
-  return logging.WARNING if verbosity == 1 else logging.ERROR
+  return logging.WARNING if verbosity == 1 else logging.CRITICAL
+
+
+def native_log_level(verbosity: int) -> str:
+  """`TF_CPP_MIN_LOG_LEVEL` for `verbosity` (0 info, 1 warning, 2 error,
+  3 fatal), as `library_level` filters Python records."""
+  return {2: "0", 1: "1"}.get(min(verbosity, 2), "3")
 
 
 def our_level(verbosity: int) -> int:
@@ -67,10 +76,7 @@ def our_level(verbosity: int) -> int:
 def start(verbosity: int) -> None:
   """Before TensorFlow's import: its native log level, and the import with
   its native start-up notices filtered, at `verbosity`."""
-  if verbosity >= 1:  # An explicit request beats the environment.
-    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "0" if verbosity >= 2 else "1"
-  else:
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  os.environ["TF_CPP_MIN_LOG_LEVEL"] = native_log_level(verbosity)
   if "tensorflow" not in sys.modules and verbosity < 2:
     with native_stderr_filtered(verbosity):
       importlib.import_module("tensorflow")

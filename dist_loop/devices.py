@@ -5,6 +5,8 @@ logical devices, so every parallel mode runs (and is tested) without GPUs. On a
 GPU machine the first N GPUs are used. TensorFlow fixes the device list and the
 thread pools when its runtime starts, so `configure` must run before any op;
 a second call in the same process can only reuse what the first one set up.
+A multi-worker run starts the runtime earlier, when it joins the cluster, so
+the join calls `set_threads` first; `configure` then finds them set.
 """
 
 import os
@@ -51,7 +53,7 @@ def configure(num_devices: int, device_type: str = "auto",
       raise UserError(
           f"--num_devices={num_devices} but this machine has {len(gpus)} "
           f"GPU(s); lower --num_devices or use --device_type=cpu")
-    _set_threads(intra_op_threads, inter_op_threads)
+    set_threads(intra_op_threads, inter_op_threads)
     logical = tf.config.list_logical_devices("GPU")
     return [d.name for d in logical[:num_devices]]
 
@@ -67,7 +69,7 @@ def configure(num_devices: int, device_type: str = "auto",
         cpu, [tf.config.LogicalDeviceConfiguration()] * num_devices)
   except RuntimeError:
     pass  # Already initialized: reuse the devices if there are enough.
-  _set_threads(intra_op_threads, inter_op_threads)
+  set_threads(intra_op_threads, inter_op_threads)
   logical = tf.config.list_logical_devices("CPU")
   if len(logical) < num_devices:
     raise UserError(
@@ -77,8 +79,14 @@ def configure(num_devices: int, device_type: str = "auto",
   return [d.name for d in logical[:num_devices]]
 
 
-def _set_threads(intra: int, inter: int) -> None:
-  """Sets the thread pools if TensorFlow has not started them yet."""
+def set_threads(intra: int, inter: int) -> None:
+  """Sizes the thread pools: `intra` threads inside one op, `inter` ops at
+  once; 0 leaves TensorFlow's default. A pool already of that size is left
+  as it is, so a second call with the same counts is a no-op.
+
+  Raises:
+    UserError: TensorFlow started with other counts.
+  """
   for value, getter, setter in (
       (intra, tf.config.threading.get_intra_op_parallelism_threads,
        tf.config.threading.set_intra_op_parallelism_threads),

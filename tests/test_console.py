@@ -28,12 +28,15 @@ def _record(level, path, name="absl"):
     (0, logging.WARNING, OURS, True),     # A warning to act on.
     (0, logging.INFO, THEIRS, False),     # "Sharding callback duration".
     (0, logging.WARNING, THEIRS, False),
-    (0, logging.ERROR, THEIRS, True),
+    (0, logging.ERROR, THEIRS, False),    # A lost peer's wall of errors.
+    (0, logging.CRITICAL, THEIRS, True),
+    (0, logging.ERROR, OURS, True),
     (0, logging.DEBUG, OURS, False),
     (-1, logging.INFO, OURS, False),      # absl's meaning of -1: warnings.
     (-1, logging.WARNING, OURS, True),
     (1, logging.WARNING, THEIRS, True),
     (1, logging.INFO, THEIRS, False),
+    (1, logging.ERROR, THEIRS, True),
     (1, logging.DEBUG, OURS, True),
     (2, logging.INFO, THEIRS, True),
 ])
@@ -55,7 +58,9 @@ def test_the_tensorflow_logger_is_never_ours():
      "on.\n", 2, True),
     ("W0000 00:00:1796.5   32006 cuda.cc:1] no GPU\n", 0, False),
     ("W0000 00:00:1796.5   32006 cuda.cc:1] no GPU\n", 1, True),
-    ("E0000 00:00:1796.5   32006 file.cc:1] broken\n", 0, True),
+    ("E0000 00:00:1796.5   32006 file.cc:1] broken\n", 0, False),
+    ("E0000 00:00:1796.5   32006 file.cc:1] broken\n", 1, True),
+    ("F0000 00:00:1796.5   32006 file.cc:1] Check failed\n", 0, True),
     ("/x/y.py:3: UserWarning: Python's own warning\n", 0, True),
 ])
 def test_native_start_up_lines(line, verbosity, kept):
@@ -63,16 +68,22 @@ def test_native_start_up_lines(line, verbosity, kept):
 
 
 def test_native_stderr_is_filtered_inside_the_block(capfd):
-  with console.native_stderr_filtered(0):
-    os.write(2, b"I0000 00:00:1.0 1 port.cc:153] oneDNN notice\n"
-                b"E0000 00:00:1.0 1 file.cc:1] a real error\n")
-  assert capfd.readouterr().err == "E0000 00:00:1.0 1 file.cc:1] a real error\n"
+  for verbosity in (0, 1):
+    with console.native_stderr_filtered(verbosity):
+      os.write(2, b"I0000 00:00:1.0 1 port.cc:153] oneDNN notice\n"
+                  b"E0000 00:00:1.0 1 file.cc:1] a real error\n"
+                  b"a line of Python's own\n")
+  assert capfd.readouterr().err == (
+      "a line of Python's own\n"
+      "E0000 00:00:1.0 1 file.cc:1] a real error\na line of Python's own\n")
 
 
 @pytest.mark.parametrize("verbosity, environment, level", [
-    (0, None, "2"), (0, "0", "0"), (1, "2", "1"), (2, "2", "0")])
+    (0, None, "3"), (0, "2", "3"), (0, "0", "3"), (-1, None, "3"),
+    (1, "3", "1"), (2, "2", "0"), (3, None, "0")])
 def test_the_native_log_level(monkeypatch, verbosity, environment, level):
-  """The environment's, unless --verbosity asks for more."""
+  """--verbosity's, whatever the environment had: native errors (a lost
+  peer's, oneDNN's float16 notice) only from --verbosity=1."""
   if environment is None:
     monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
   else:
@@ -141,11 +152,15 @@ def test_the_banner_names_mode_devices_model_and_data():
 
 
 def test_a_run_prints_its_own_lines_only(tmp_path):
-  """A real command, in a new process: TensorFlow's start-up included."""
+  """A real command, in a new process: TensorFlow's start-up included, in
+  float16 (oneDNN's native DT_HALF error line, on machines without
+  AVX-512), with TF_CPP_MIN_LOG_LEVEL=2 in the environment (run_train's),
+  which --verbosity overrides."""
   result = run_train(f"--workdir={tmp_path / 'run'}", "--dataset=synthetic",
                      "--model=mlp", "--train_steps=4", "--steps_per_loop=2",
                      "--log_every=2", "--eval_every=4",
-                     "--checkpoint_every=4", "--global_batch_size=32")
+                     "--checkpoint_every=4", "--global_batch_size=32",
+                     "--precision=mixed_float16")
   assert result.returncode == 0, result.stderr[-3000:]
   lines = result.stderr.splitlines()
   assert all(OUR_LINE.match(line) for line in lines), result.stderr[-3000:]

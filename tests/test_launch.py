@@ -7,11 +7,14 @@ training.
 """
 
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
+
+import pytest
 
 from conftest import REPO, run_launch
 
@@ -37,8 +40,10 @@ time.sleep(60)
 """
 
 # Records each of its runs (its cluster spec) in WORKDIR/runs-<job>-<i>; the
-# task named by argv[3] fails with exit code 3 in its first argv[2] runs.
-# Training tasks then finish; servers (a PS cluster's workers and PSs) wait.
+# task named by argv[3] fails with exit code 3 in its first argv[2] runs,
+# once every other task has recorded the same run (else the launcher could
+# stop one before it does). Training tasks then finish; servers (a PS
+# cluster's workers and PSs) wait.
 FAIL_FIRST_RUNS = """
 import json, os, sys, time
 config = json.loads(os.environ["TF_CONFIG"])
@@ -50,12 +55,29 @@ with open(runs, "a") as f:
   f.write(json.dumps(config["cluster"], sort_keys=True) + "\\n")
 with open(runs) as f:
   run = len(f.read().splitlines())
+
+def recorded(path):
+  return os.path.exists(path) and len(open(path).read().splitlines()) >= run
+
 if f"{job}:{index}" == sys.argv[3] and run <= int(sys.argv[2]):
+  others = [os.path.join(workdir, f"runs-{j}-{i}")
+            for j, addresses in config["cluster"].items()
+            for i in range(len(addresses))]
+  deadline = time.monotonic() + 30
+  while time.monotonic() < deadline and not all(map(recorded, others)):
+    time.sleep(0.05)
   print("boom", flush=True)
   sys.exit(3)
 if job == "ps" or (job == "worker" and "ps" in config["cluster"]):
   time.sleep(60)
 time.sleep(1.0)
+"""
+
+# Prints the cores it may run on and its native TensorFlow log level.
+SHOW_CORES = """
+import os
+print("cores", sorted(os.sched_getaffinity(0)), flush=True)
+print("native log level", os.environ.get("TF_CPP_MIN_LOG_LEVEL"), flush=True)
 """
 
 # Says when it got SIGINT, then exits 130 like the train command does.
@@ -224,3 +246,135 @@ def test_a_restart_waits_for_the_ports_of_the_stopped_cluster():
   finally:
     server.close()
   assert local_cluster.wait_for_ports(spec, timeout_s=5)
+
+
+# -- bad input: one line, exit 2, nothing started --
+
+
+@pytest.fixture(name="signals_kept")
+def _signals_kept():
+  """`launch.main` installs its own SIGINT/SIGTERM handlers; restore
+  pytest's."""
+  saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT,
+                                                  signal.SIGTERM)}
+  yield
+  for sig, handler in saved.items():
+    signal.signal(sig, handler)
+
+
+@pytest.mark.parametrize("launcher_args, command, message", [
+    ([], "{python} -c pass --workdir={file}",
+     "--workdir={file} is a file; pass a directory"),
+    (["--log_dir={file}/logs"], "{python} -c pass",
+     "cannot create the log directory {file}/logs (Not a directory)"),
+    ([], "no-such-command-1234 --workdir={dir}",
+     "command 'no-such-command-1234' not found or not executable"),
+    ([], "{file} --workdir={dir}", "command '{file}' not found or not "
+     "executable"),
+    (["--num_workers=0"], "{python} --workdir={dir}", "--num_workers=0: use "
+     "a number >= 1"),
+    (["--num_workers=x"], "{python} --workdir={dir}", "argument "
+     "--num_workers: invalid int value: 'x'; usage: python -m tools.launch"),
+    (["--num_ps=2"], "", "no command after --"),
+    (["--num_workers=1", "--max_restarts=-1"], "{python} --workdir={dir}",
+     "--max_restarts=-1: use a number >= 0"),
+    (["--num_workers=1", "--timeout_s=-5"], "{python} --workdir={dir}",
+     "--timeout_s=-5.0: use a number >= 0"),
+    (["--num_workers=1", "--cpus_per_task=some"], "{python} --workdir={dir}",
+     "'some' is not auto or a number of cores"),
+    (["--num_workers=2", "--cpus_per_task=100000"],
+     "{python} --workdir={dir}", "--cpus_per_task=100000 for 2 tasks needs "
+     "200000 cores"),
+    (["--num_workers=1", "--cpus_per_task=-1"], "{python} --workdir={dir}",
+     "--cpus_per_task=-1: use a number >= 0"),
+])
+def test_bad_input_is_one_line_and_starts_nothing(
+    launcher_args, command, message, tmp_path, capsys, signals_kept):
+  del signals_kept
+  values = dict(python=sys.executable, file=tmp_path / "a_file",
+                dir=tmp_path / "run")
+  (tmp_path / "a_file").write_text("not a directory\n")
+  if "--num_workers" not in " ".join(launcher_args):
+    launcher_args = ["--num_workers=2", *launcher_args]
+  argv = [a.format(**values) for a in launcher_args] + ["--"] + [
+      a.format(**values) for a in command.split()]
+  assert launch.main(argv) == 2
+  out, err = capsys.readouterr()
+  assert err.splitlines() == [err.strip()], err
+  assert err.startswith("error: ") and message.format(**values) in err, err
+  assert not out  # Not one task was started.
+  assert not (tmp_path / "run").exists()
+
+
+def test_no_command_is_one_line_without_a_traceback():
+  result = subprocess.run(
+      [sys.executable, "-m", "tools.launch", "--num_workers=2", "--", "nope-x",
+       "--workdir=/tmp/x"], cwd=REPO, capture_output=True, text=True,
+      timeout=60)
+  assert result.returncode == 2
+  assert result.stderr == ("error: command 'nope-x' not found or not "
+                           "executable; check the command after --\n")
+  assert not result.stdout
+
+
+# -- cores and the terminal --
+
+
+def test_cpu_sets_give_each_task_its_share():
+  assert local_cluster.cpu_sets(4, None, range(8)) == [[0, 1], [2, 3],
+                                                       [4, 5], [6, 7]]
+  assert local_cluster.cpu_sets(2, None, [5, 7, 9]) == [[5], [7]]
+  assert local_cluster.cpu_sets(2, 1, [5, 7, 9]) == [[5], [7]]
+  assert local_cluster.cpu_sets(3, None, [0, 1]) is None  # Too few: shared.
+  assert local_cluster.cpu_sets(2, 0, range(8)) is None
+  with pytest.raises(ValueError, match="needs 6 cores"):
+    local_cluster.cpu_sets(2, 3, range(4))
+
+
+def _cores(log):
+  """What SHOW_CORES printed in a task's log."""
+  lines = log.read_text().splitlines()
+  cores = [line for line in lines if line.startswith("cores ")]
+  level = [line for line in lines if line.startswith("native log level ")]
+  return eval(cores[0][len("cores "):]), level[0].rsplit(" ", 1)[1]  # pylint: disable=eval-used
+
+
+@pytest.mark.parametrize("cpus_per_task", ["1", "auto"])
+def test_each_task_runs_on_its_own_cores(cpus_per_task, tmp_path):
+  available = sorted(os.sched_getaffinity(0))
+  workers = min(2, len(available))
+  share = 1 if cpus_per_task == "1" else len(available) // workers
+  workdir = tmp_path / "pinned"
+  result = run_launch(f"--num_workers={workers}",
+                      f"--cpus_per_task={cpus_per_task}", "--verbosity=1",
+                      "--", sys.executable, "-c", SHOW_CORES,
+                      f"--workdir={workdir}", timeout=60)
+  assert result.returncode == 0, result.stdout
+  for i in range(workers):
+    cores = available[i * share:(i + 1) * share]
+    assert _cores(workdir / "logs" / f"worker-{i}.log") == (cores, "1")
+    assert re.search(rf"\[launch\] started worker:{i} \(pid \d+\) on cpus "
+                     rf"{','.join(map(str, cores))}, log ", result.stdout)
+    assert f"[launch] worker:{i}: TF_CONFIG=" in result.stdout
+
+
+def test_auto_shares_the_cores_when_there_are_fewer_than_tasks(tmp_path):
+  available = sorted(os.sched_getaffinity(0))
+  workdir = tmp_path / "shared"
+  result = run_launch(f"--num_workers={len(available) + 1}", "--", sys.executable,
+                      "-c", SHOW_CORES, f"--workdir={workdir}", timeout=60)
+  assert result.returncode == 0, result.stdout
+  assert result.stdout.count("the tasks share them") == 1, result.stdout
+  assert " on cpus " not in result.stdout
+  assert "TF_CONFIG=" not in result.stdout  # Only from --verbosity=1.
+  for i in range(len(available) + 1):
+    assert _cores(workdir / "logs" / f"worker-{i}.log") == (available, "3")
+
+
+def test_at_verbosity_minus_one_only_failures_are_said(tmp_path):
+  result = _launch_failing(tmp_path / "run", "worker:0", 99,
+                           "--num_workers=2", "--verbosity=-1")
+  assert result.returncode == 3, result.stdout
+  said = [line for line in result.stdout.splitlines()
+          if line.startswith("[launch]")]
+  assert len(said) == 1 and "worker:0 failed (exit code 3)" in said[0]

@@ -83,10 +83,13 @@ def _story(tmp_path_factory):
   saved = tf.train.latest_checkpoint(
       str(workdir / checkpoints.CHECKPOINT_DIR))
   last = int(saved.rsplit("-", 1)[-1])
+  # With thread flags: the strategy starts the runtime, so they must be
+  # set before it is built.
   restart = run_launch(
       "--num_workers=2", "--", sys.executable, "-m", "experiments.train",
       *_flags(train_steps=last + 10, num_devices=1,
-              collective_timeout_s=RESTART_TIMEOUT_S),
+              collective_timeout_s=RESTART_TIMEOUT_S, intra_op_threads=1,
+              inter_op_threads=2),
       f"--workdir={workdir}", timeout=150)
   return dict(workdir=str(workdir), code=code, killed_log=killed_log,
               last=last, restart=restart)
@@ -116,6 +119,14 @@ def test_two_workers_equal_one_process_with_two_devices(story):
     for a, b in zip(variables(local), cluster):
       np.testing.assert_allclose(a, np.asarray(b), atol=1e-5, rtol=0)
   local.close()
+
+
+def test_thread_flags_work_with_multi_worker_runs(story):
+  """The restart ran with --intra_op_threads and --inter_op_threads."""
+  out = story["restart"].stdout
+  assert story["restart"].returncode == 0, out[-4000:]
+  assert "thread counts must be set" not in out
+  assert f"[worker:1] done: step {story['last'] + 10}" in out
 
 
 def test_both_workers_resumed_and_only_the_chief_wrote(story):

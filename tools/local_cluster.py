@@ -1,7 +1,7 @@
 """The parts of a local cluster that `tools/launch.py` starts: its
 addresses (free localhost ports, the TF_CONFIG cluster spec, waiting for the
-ports of a stopped cluster to free) and its processes (`Task`). This file
-does not import TensorFlow."""
+ports of a stopped cluster to free), its cores (`cpu_sets`) and its
+processes (`Task`). This file does not import TensorFlow."""
 
 import collections
 import ctypes
@@ -110,6 +110,49 @@ def wait_for_ports(spec: Dict[str, List[str]], timeout_s: float) -> bool:
   return True
 
 
+# -- the cores --
+
+
+def available_cpus() -> Optional[List[int]]:
+  """The cores this process may run on, or None where Linux's affinity
+  calls do not exist."""
+  if not hasattr(os, "sched_getaffinity"):
+    return None
+  return sorted(os.sched_getaffinity(0))
+
+
+def cpu_sets(num_tasks: int, cpus_per_task: Optional[int],
+             available: Sequence[int]) -> Optional[List[List[int]]]:
+  """Disjoint cores for each task, or None to leave every task unpinned.
+
+  Args:
+    num_tasks: the tasks of the cluster, each a process.
+    cpus_per_task: cores per task; None ("auto") gives each task an equal
+      share of `available` if there is at least one core per task, else
+      pins nothing; 0 pins nothing.
+    available: the cores the tasks may use, in order.
+
+  Returns:
+    Task i's cores, consecutive in `available`; None for unpinned.
+
+  Raises:
+    ValueError: `cpus_per_task` cores for every task are more than
+      `available` has.
+  """
+  if cpus_per_task is None:
+    cpus_per_task = len(available) // num_tasks
+  if cpus_per_task == 0:
+    return None
+  if cpus_per_task * num_tasks > len(available):
+    raise ValueError(
+        f"--cpus_per_task={cpus_per_task} for {num_tasks} tasks needs "
+        f"{cpus_per_task * num_tasks} cores, and this process may use "
+        f"{len(available)}; lower it, or pass --cpus_per_task=0 to leave "
+        "the tasks unpinned")
+  return [list(available[i * cpus_per_task:(i + 1) * cpus_per_task])
+          for i in range(num_tasks)]
+
+
 # -- the processes --
 
 
@@ -121,6 +164,18 @@ def _die_with_parent():
     pass
 
 
+def _in_child(cpus: Optional[Sequence[int]]):
+  """What runs in the child before the command: it dies with the launcher,
+  and runs on `cpus` (None: wherever the launcher may)."""
+
+  def prepare():
+    _die_with_parent()
+    if cpus is not None:
+      os.sched_setaffinity(0, cpus)
+
+  return prepare
+
+
 class Task:
   """One process of the cluster, its log file and its console prefix."""
 
@@ -128,16 +183,23 @@ class Task:
     self.job, self.index, self.trains = job, index, trains
     self.name = f"{job}:{index}"
     self.process: Optional[subprocess.Popen] = None
+    self.cpus: Optional[List[int]] = None  # None: unpinned.
     self.log_path = ""
     self.stopped = False  # We stopped it: its exit code is not a failure.
     self.reported = False
     self._tail = collections.deque(maxlen=TAIL_LINES)
     self._reader: Optional[threading.Thread] = None
 
-  def start(self, command, env, log_path, console_lock, quiet, header=""):
-    """Starts the process; its output goes to `log_path` (appended, after
-    `header` if any) and, unless `quiet`, to the console."""
-    self.log_path = log_path
+  def start(self, command, env, log_path, console_lock, quiet, header="",
+            cpus=None):
+    """Starts the process on `cpus` (None: unpinned); its output goes to
+    `log_path` (appended, after `header` if any) and, unless `quiet`, to
+    the console.
+
+    Raises:
+      OSError: the command cannot be run.
+    """
+    self.log_path, self.cpus = log_path, cpus
     if header:
       with open(log_path, "a", encoding="utf-8") as log:
         log.write(header + "\n")
@@ -145,7 +207,7 @@ class Task:
         command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL, text=True, bufsize=1,
         start_new_session=True,  # Signals reach it only through us.
-        preexec_fn=_die_with_parent)
+        preexec_fn=_in_child(cpus))
     self._reader = threading.Thread(
         target=self._pump, args=(console_lock, quiet), daemon=True,
         name=f"log-{self.name}")

@@ -8,7 +8,8 @@ before its base class. It decides:
 * how many replicas there are: every training process's `--num_devices`;
 * which clusters it accepts: workers only, one replica per worker on CPU;
 * when the multi-worker strategy is built: in `join_cluster`, before any
-  op runs, as TensorFlow requires;
+  op runs, as TensorFlow requires (the thread pools are set just before it,
+  since building it starts the runtime);
 * what a lost peer means: one line naming `--collective_timeout_s`;
 * the strategy itself (`build_strategy`), checked against the replica
   count the config asked for.
@@ -53,7 +54,10 @@ class Mirrored:
   @classmethod
   def join_cluster(cls, config, cluster) -> None:
     if cluster.num_trainers > 1:
-      strategy_lib.multi_worker(config.collective_timeout_s)
+      devices_lib.set_threads(config.intra_op_threads,
+                              config.inter_op_threads)
+      strategy_lib.multi_worker(config.collective_timeout_s, cluster,
+                                config.join_timeout_s)
 
   @classmethod
   def cluster_error(cls, config, cluster, error):

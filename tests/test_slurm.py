@@ -1,0 +1,133 @@
+"""Under SLURM, a step of several tasks (srun) is a cluster of workers.
+
+A faked SLURM environment: the variables srun sets, and PATH without
+nvidia-smi (a CPU node) or with a stub that lists GPUs.
+"""
+
+import os
+import stat
+
+import pytest
+
+from conftest import run_main
+from dist_loop import cluster, slurm
+from dist_loop.errors import UserError
+
+# Task 1 of a step of 3 tasks on two nodes: two on node01, one on node02.
+STEP = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_PROCID": "1",
+        "SLURM_STEP_NUM_TASKS": "3", "SLURM_STEP_NODELIST": "node[01-02]",
+        "SLURM_STEP_TASKS_PER_NODE": "2,1"}
+
+
+@pytest.fixture(name="in_step")
+def _in_step(monkeypatch, tmp_path):
+  """Sets a SLURM step's variables (no TF_CONFIG, no GPUs); returns a
+  function that changes them."""
+  for name in [n for n in os.environ if n.startswith("SLURM_")] + [
+      "TF_CONFIG", "CUDA_VISIBLE_DEVICES"]:
+    monkeypatch.setenv(name, "")  # Restored after the test...
+    monkeypatch.delenv(name)  # ...and absent during it.
+  bin_dir = tmp_path / "bin"
+  bin_dir.mkdir()
+  monkeypatch.setenv("PATH", str(bin_dir))  # No nvidia-smi, no scontrol.
+
+  def set_step(**changes):
+    for name, value in {**STEP, **changes}.items():
+      if value is None:
+        monkeypatch.delenv(name, raising=False)
+      else:
+        monkeypatch.setenv(name, value)
+    return bin_dir
+
+  set_step()
+  return set_step
+
+
+def test_a_step_of_several_tasks_is_a_cluster_of_workers(in_step):
+  del in_step
+  base = slurm.port_base(4242, 0)
+  assert cluster.current() == cluster.Cluster(
+      {"worker": [f"node01:{base}", f"node01:{base + 1}",
+                  f"node02:{base}"]}, "worker", 1)
+  assert not cluster.current().is_chief
+
+
+def test_task_zero_is_the_chief(in_step):
+  in_step(SLURM_PROCID="0")
+  assert cluster.current().task_name == "worker:0"
+  assert cluster.current().is_chief
+
+
+def test_tf_config_wins_over_slurm(in_step, monkeypatch):
+  del in_step
+  tf_config = ('{"cluster": {"worker": ["a:1", "b:1"]}, '
+               '"task": {"type": "worker", "index": 0}}')
+  monkeypatch.setenv("TF_CONFIG", tf_config)
+  assert cluster.current() == cluster.parse(tf_config)
+
+
+@pytest.mark.parametrize("changes", [
+    dict(SLURM_STEP_NUM_TASKS="1", SLURM_STEP_NODELIST="node01",
+         SLURM_STEP_TASKS_PER_NODE="1"),  # srun -n 1
+    dict(SLURM_STEP_ID="4294967294"),  # The batch script's step.
+    dict(SLURM_STEP_ID=None),  # An allocation, not a step.
+    dict(SLURM_PROCID=None),
+])
+def test_a_single_task_or_no_step_is_one_process(in_step, changes):
+  in_step(**changes)
+  assert cluster.current() == cluster.Cluster()
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(SLURM_STEP_NODELIST="node[01-"), "Invalid hostlist format"),
+    (dict(SLURM_STEP_TASKS_PER_NODE="two"),
+     "Invalid tasks-per-node list format"),
+    (dict(SLURM_STEP_NUM_TASKS="5"), "Requested 5 tasks but only 3"),
+    (dict(SLURM_PROCID="7"), "SLURM_PROCID=7 is not a task of this SLURM "
+     "step"),
+])
+def test_a_bad_slurm_environment_is_one_line(in_step, changes, message):
+  in_step(**changes)
+  with pytest.raises(UserError) as error:
+    cluster.current()
+  assert message in str(error.value) and "\n" not in str(error.value)
+  assert "start every task with srun, or set TF_CONFIG" in str(error.value)
+
+
+def test_gpu_nodes_give_each_task_its_gpus(in_step, monkeypatch):
+  """With GPUs (a stub nvidia-smi that lists two per node), the resolver
+  gives each task of a node its own."""
+  bin_dir = in_step(SLURM_JOB_ID="4243")
+  smi = bin_dir / "nvidia-smi"
+  smi.write_text("#!/bin/sh\necho 'GPU 0: Stub (UUID: GPU-0)'\n"
+                 "echo 'GPU 1: Stub (UUID: GPU-1)'\n")
+  smi.chmod(smi.stat().st_mode | stat.S_IEXEC)
+  monkeypatch.setenv("PATH", f"{bin_dir}:/bin:/usr/bin")  # sh for the stub.
+  assert cluster.current().task_name == "worker:1"
+  assert os.environ["CUDA_VISIBLE_DEVICES"] == "1"  # node01's second GPU.
+  # Resolved once: the assignment does not change a second reading.
+  assert cluster.current().task_name == "worker:1"
+
+
+def test_ports_keep_jobs_and_steps_apart():
+  """Steps 0-3 of a job and jobs less than 399 apart get disjoint blocks
+  of ports, below the ephemeral range."""
+  blocks = {}
+  for job in range(1000, 1399):
+    for step in range(4):
+      base = slurm.port_base(job, step)
+      assert base in slurm.PORTS and base + slurm.BLOCK - 1 in slurm.PORTS
+      assert base % slurm.BLOCK == 0
+      assert base not in blocks, (job, step, blocks.get(base))
+      blocks[base] = (job, step)
+  assert slurm.port_base(1000, 0) == slurm.port_base(1399, 0)  # Wraps.
+
+
+def test_the_command_validates_the_step_as_its_cluster(in_step, tmp_path):
+  """Through the flag layer: three SLURM tasks are three replicas."""
+  del in_step
+  code, _, err = run_main("--dataset=synthetic", "--model=mlp",
+                          "--global_batch_size=32",
+                          f"--workdir={tmp_path / 'run'}")
+  assert code != 0
+  assert "not divisible by 3 replicas" in err, err

@@ -1,0 +1,251 @@
+"""The supervisor of a local cluster: `Launcher` starts one process per
+task, watches them, and on a failure stops them all, or restarts the whole
+cluster (`--max_restarts`). `tools/launch.py` is its command line and says
+what each rule is for; `tools/local_cluster.py` has the addresses, the cores
+and the processes. This file does not import TensorFlow.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from typing import Dict, Optional, Sequence
+
+from dist_loop import console
+from tools.local_cluster import (Task, available_cpus, cluster_spec,
+                                 cpu_sets, wait_for_ports)
+
+STOP_GRACE_S = 10.0  # SIGTERM, then SIGKILL after this.
+# Before a restart: a task stuck in a collective with a dead peer cannot
+# act on SIGTERM until the collective times out, and nothing is left to save.
+RESTART_GRACE_S = 3.0
+PORT_WAIT_S = 15.0
+POLL_S = 0.2
+
+
+class LaunchError(Exception):
+  """Bad input to the launcher; the message names the fix."""
+
+
+class Launcher:
+  """Starts the tasks, watches them, and stops (or restarts) them all on
+  failure.
+
+  Args:
+    command: the command every task runs.
+    num_workers: worker tasks.
+    num_ps: parameter-server tasks; > 0 adds a chief (the coordinator).
+    log_dir: where WORKER-i.log etc. go.
+    timeout_s: stop everything and fail after this long (0: no limit).
+    quiet: do not echo task output to the console (it is still logged).
+    max_restarts: restarts of the whole cluster after a failure.
+    cpus_per_task: cores per task; None: `auto`, 0: unpinned
+      (tools/launch.py).
+    verbosity: as `--verbosity` (tools/launch.py).
+
+  Raises:
+    LaunchError: a bad number, or more cores asked for than there are.
+  """
+
+  def __init__(self, command: Sequence[str], num_workers: int, num_ps: int = 0,
+               log_dir: str = "logs", timeout_s: float = 0, quiet=False,
+               max_restarts: int = 0, cpus_per_task: Optional[int] = None,
+               verbosity: int = 0):
+    for name, value, low in (("num_workers", num_workers, 1),
+                             ("num_ps", num_ps, 0),
+                             ("max_restarts", max_restarts, 0),
+                             ("timeout_s", timeout_s, 0),
+                             ("cpus_per_task", cpus_per_task or 0, 0)):
+      if not value >= low:
+        raise LaunchError(f"--{name}={value}: use a number >= {low}")
+    self.command = list(command)
+    self.num_workers, self.num_ps = num_workers, num_ps
+    self.spec = cluster_spec(num_workers, num_ps)
+    self.log_dir = log_dir
+    self.timeout_s = timeout_s
+    self.quiet = quiet
+    self.max_restarts = max_restarts
+    self.restarts = 0
+    self.verbosity = verbosity
+    self._lock = threading.Lock()
+    self._interrupted = False
+    self.tasks = self._make_tasks()
+    self.cpus = self._plan_cpus(cpus_per_task)
+    # In a PS cluster the coordinator re-runs a lost worker's steps elsewhere.
+    self.tolerated_jobs = {"worker"} if num_ps else set()
+
+  def _plan_cpus(self, cpus_per_task):
+    """Each task's cores (None: unpinned); says once why it does not pin
+    when `auto` cannot."""
+    available = available_cpus()
+    if available is None:
+      if cpus_per_task:
+        raise LaunchError("--cpus_per_task: this system cannot pin a "
+                          "process to cores; pass --cpus_per_task=0")
+      return None
+    try:
+      sets = cpu_sets(len(self.tasks), cpus_per_task, available)
+    except ValueError as e:
+      raise LaunchError(str(e)) from None
+    if sets is None and cpus_per_task is None:
+      self._say(f"{len(self.tasks)} tasks on {len(available)} cores: the "
+                "tasks share them (pinning needs a core per task)")
+    return None if sets is None else dict(zip(self.tasks, sets))
+
+  def _make_tasks(self) -> Dict[str, Task]:
+    tasks = {}
+    for job, addresses in self.spec.items():
+      for i in range(len(addresses)):
+        trains = job == "chief" or (job == "worker" and not self.num_ps)
+        tasks[f"{job}:{i}"] = Task(job, i, trains)
+    return tasks
+
+  def start(self) -> None:
+    """Starts every task.
+
+    Raises:
+      LaunchError: the log directory cannot be made, or the command cannot
+        be run; no task is left running.
+    """
+    try:
+      os.makedirs(self.log_dir, exist_ok=True)
+    except OSError as e:
+      raise LaunchError(
+          f"cannot create the log directory {self.log_dir} ({e.strerror}); "
+          "pass a --workdir (or --log_dir) that is a directory or can be "
+          "created") from None
+    header = (f"[launch] restart {self.restarts} of {self.max_restarts}"
+              if self.restarts else "")
+    for name, task in self.tasks.items():
+      tf_config = json.dumps({"cluster": self.spec,
+                              "task": {"type": task.job, "index": task.index}})
+      env = {**os.environ, "TF_CONFIG": tf_config, "PYTHONUNBUFFERED": "1",
+             "TF_CPP_MIN_LOG_LEVEL": console.native_log_level(
+                 self.verbosity)}
+      log_path = os.path.join(self.log_dir,
+                              f"{task.job}-{task.index}.log")
+      cpus = self.cpus and self.cpus[name]
+      try:
+        task.start(self.command, env, log_path, self._lock, self.quiet,
+                   header, cpus)
+      except OSError as e:
+        self.stop()
+        raise LaunchError(f"cannot run {self.command[0]!r} ({e.strerror}); "
+                          "check the command after --") from None
+      on = f" on cpus {','.join(map(str, cpus))}" if cpus else ""
+      self._say(f"started {task.name} (pid {task.process.pid}){on}, log "
+                f"{log_path}")
+      self._say(f"{task.name}: TF_CONFIG={tf_config}", level=1)
+
+  def interrupt(self) -> None:
+    """Forwards Ctrl-C (SIGINT) to every training task; `wait` stops the
+    servers once those have saved their checkpoint, then returns 130.
+
+    Servers (a PS cluster's workers and parameter servers) hold the
+    variables the chief saves on Ctrl-C, so they must outlive it.
+    """
+    self._interrupted = True
+    for task in self.tasks.values():
+      if task.trains:
+        task.signal(signal.SIGINT)
+
+  def wait(self) -> int:
+    """Watches the tasks until training ends or fails for good; returns an
+    exit code."""
+    deadline = time.monotonic() + self.timeout_s if self.timeout_s else None
+    interrupted_at = None
+    while True:
+      if self._interrupted:
+        interrupted_at = interrupted_at or time.monotonic()
+        if (all(t.poll() is not None for t in self.tasks.values() if t.trains)
+            or time.monotonic() - interrupted_at > 3 * STOP_GRACE_S):
+          self.stop()
+          return 130
+      failed = self._check_failures()
+      if failed is not None:
+        task, code = failed
+        if self.restarts < self.max_restarts and not self._interrupted:
+          self._restart(task, code)
+          continue
+        self._report(task, code)
+        self.stop()
+        return code if code > 0 else 128 - code  # -N: killed by signal N.
+      trainers = [t for t in self.tasks.values() if t.trains]
+      if all(t.poll() == 0 for t in trainers):
+        self.stop()
+        self._say("training finished; all tasks stopped")
+        return 0
+      if deadline is not None and time.monotonic() > deadline:
+        self._say(f"timed out after {self.timeout_s:.0f} s; stopping all "
+                  "tasks", level=-1)
+        self.stop()
+        return 124
+      time.sleep(POLL_S)
+
+  def _check_failures(self):
+    """The first task that failed since the last look, as (task, exit
+    code), or None. A tolerated failure is reported here."""
+    for task in self.tasks.values():
+      code = task.poll()
+      if code in (None, 0) or task.stopped or task.reported:
+        continue
+      task.reported = True
+      if self._interrupted:
+        continue
+      if task.job in self.tolerated_jobs:
+        self._report(task, code)
+        self._say(f"{task.name} failed; the coordinator moves its work to "
+                  "the other workers, training goes on", level=-1)
+        continue
+      return task, code
+    return None
+
+  def _restart(self, task: Task, code: int) -> None:
+    """Stops every task and starts the cluster again, on the same ports
+    once they are free (new ones if they stay taken)."""
+    self.restarts += 1
+    self._say(f"{task.name} failed ({_how(code)}); restart {self.restarts} "
+              f"of {self.max_restarts}: stopping every task and restarting "
+              f"the cluster (log {task.log_path})", level=-1)
+    self.stop(RESTART_GRACE_S)
+    if not wait_for_ports(self.spec, PORT_WAIT_S):
+      self.spec = cluster_spec(self.num_workers, self.num_ps)
+      self._say(f"the cluster's ports stayed taken for {PORT_WAIT_S:.0f} s; "
+                "restarting on new ports", level=-1)
+    self.tasks = self._make_tasks()
+    self.start()
+
+  def _report(self, task: Task, code: int) -> None:
+    lines = "\n".join(f"  | {line}" for line in task.tail())
+    self._say(f"{task.name} failed ({_how(code)}); last lines of "
+              f"{task.log_path}:\n{lines}", level=-1)
+
+  def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM to every running task, then SIGKILL after `grace_s`."""
+    started = [t for t in self.tasks.values() if t.process is not None]
+    for task in started:
+      if task.poll() is None:
+        task.stopped = True
+        task.signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for task in started:
+      try:
+        task.process.wait(timeout=max(deadline - time.monotonic(), 0.1))
+      except subprocess.TimeoutExpired:
+        task.signal(signal.SIGKILL)
+        task.process.wait(timeout=STOP_GRACE_S)
+    for task in started:
+      task.tail()  # Let the log pumps drain.
+
+  def _say(self, message: str, level: int = 0) -> None:
+    """A launcher line, shown from `--verbosity=level` on (failures and
+    restarts, at -1, from -1 on)."""
+    if self.verbosity >= level:
+      with self._lock:
+        print(f"[launch] {message}", flush=True)
+
+
+def _how(code: int) -> str:
+  return f"exit code {code}" if code >= 0 else f"killed by signal {-code}"
