@@ -43,13 +43,18 @@ def test_save_skips_a_step_already_saved_and_restore_takes_the_newest(
   assert fresh["w"].numpy().tolist() == [4.0, 4.0]
 
 
-def test_an_unreadable_newest_checkpoint_falls_back_to_the_one_before(
-    tmp_path):
+def _save_steps(workdir, steps, max_to_keep=5):
+  """A checkpoint of each of `steps`, whose `w` is [step, step]."""
   items = _items()
-  saver = checkpoints.Checkpointer(items, str(tmp_path), max_to_keep=3)
-  for step in (1, 2):
+  saver = checkpoints.Checkpointer(items, str(workdir), max_to_keep)
+  for step in steps:
     items["w"].assign([step, step])
     saver.save(step)
+
+
+def test_an_unreadable_newest_checkpoint_falls_back_to_the_one_before(
+    tmp_path):
+  _save_steps(tmp_path, (1, 2), max_to_keep=3)
   data_file = tmp_path / "checkpoints" / "ckpt-2.data-00000-of-00001"
   data_file.write_bytes(data_file.read_bytes()[:5])
   fresh = _items(-1.0)
@@ -66,11 +71,7 @@ def test_an_unreadable_newest_checkpoint_falls_back_to_the_one_before(
 @pytest.mark.parametrize("is_chief", [True, False], ids=["chief", "worker"])
 def test_an_unreadable_index_is_replaced_by_the_checkpoints_names(
     tmp_path, is_chief):
-  items = _items()
-  saver = checkpoints.Checkpointer(items, str(tmp_path), max_to_keep=5)
-  for step in (2, 4, 10):
-    items["w"].assign([step, step])
-    saver.save(step)
+  _save_steps(tmp_path, (2, 4, 10))
   (tmp_path / "checkpoints" / "checkpoint").write_bytes(b"\xff\xfe garbage")
   assert [os.path.basename(p) for p in checkpoint_names.scan_checkpoints(
       str(tmp_path / "checkpoints"))] == ["ckpt-2", "ckpt-4", "ckpt-10"]
@@ -85,11 +86,7 @@ def test_an_unreadable_index_is_replaced_by_the_checkpoints_names(
 
 def test_an_index_naming_only_a_missing_checkpoint_falls_back_to_the_files(
     tmp_path, caplog):
-  items = _items()
-  saver = checkpoints.Checkpointer(items, str(tmp_path), max_to_keep=5)
-  for step in (50, 100):
-    items["w"].assign([step, step])
-    saver.save(step)
+  _save_steps(tmp_path, (50, 100))
   index = tmp_path / "checkpoints" / "checkpoint"
   index.write_text('model_checkpoint_path: "ckpt-999"\n'
                    'all_model_checkpoint_paths: "ckpt-999"\n')
