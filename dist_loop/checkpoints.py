@@ -6,26 +6,28 @@ float16; see `Trainer.checkpoint_items`). Every mode builds the same
 written by one mode restores in another. `tf.train.CheckpointManager` writes
 each checkpoint under a new name and only then points the index file
 (`checkpoint`) at it, so a crash mid-write leaves the previous checkpoint as
-the latest. If the index itself cannot be read (empty, garbage, missing),
-the `ckpt-*` files are tried, newest first, with a warning.
+the latest.
+
+A save that fails (a full disk) removes what it wrote of the new checkpoint
+(TensorFlow leaves a `ckpt-N_temp` directory and partial `ckpt-N.*` files)
+and ends the run with one line naming the newest good checkpoint. Which
+checkpoint a run resumes from is `resume.py`'s.
 """
 
 import collections
-import glob
 import os
-import re
 import time
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import tensorflow as tf
 from absl import logging
 
-from dist_loop import data, models
+from dist_loop import data, models, resume
 from dist_loop import strategy as strategy_lib
+from dist_loop.checkpoint_names import CHECKPOINT_DIR, CHECKPOINT_PREFIX
+from dist_loop.checkpoint_names import newest_checkpoint_note, scan_checkpoints
 from dist_loop.errors import UserError
-from dist_loop.workdir import CHECKPOINT_DIR
-
-PREFIX = "ckpt"
+from dist_loop.files import reason
 
 
 class Checkpointer:
@@ -43,29 +45,56 @@ class Checkpointer:
 
   def __init__(self, items: Dict[str, object], workdir: str, max_to_keep: int,
                is_chief: bool = True, task_index: int = 0):
+    self.items = dict(items)
+    self.workdir = workdir
     self.manager = manager(items, workdir, max_to_keep, is_chief, task_index)
-    self._restored: Optional[str] = None
+    # The newest good checkpoint this process knows: restored or saved.
+    self._latest: Optional[str] = None
 
   @property
   def saved_step(self) -> Optional[int]:
     """The step of the latest checkpoint, or None before the first."""
-    latest = self.manager.latest_checkpoint or self._restored
+    latest = self._latest or self.manager.latest_checkpoint
     return None if latest is None else int(latest.rsplit("-", 1)[-1])
 
   def save(self, step: int) -> Optional[str]:
     """Saves the state at `step`; returns the path, or None if the latest
-    checkpoint already is of `step` (the state is the same)."""
+    checkpoint already is of `step` (the state is the same).
+
+    Raises:
+      UserError: the checkpoint could not be written (a full disk); what
+        was written of it is removed, and the message names the newest
+        good checkpoint.
+    """
     if self.saved_step == step:
       return None
-    path = self.manager.save(checkpoint_number=step)
+    try:
+      path = self.manager.save(checkpoint_number=step)
+    except strategy_lib.LOST_TASK_ERRORS:
+      raise  # A lost peer: `train.run` has the mode explain it.
+    except (tf.errors.OpError, OSError) as e:
+      raise UserError(
+          f"cannot write the checkpoint of step {step} in "
+          f"{self.manager.directory} ({reason(e)}); what was written of it "
+          f"is removed, and {self._newest_note()}. Free some space (or fix "
+          "the directory's permissions), then rerun the same command to "
+          "resume from there") from None
+    # Off the chief, the chief's copy: the worker's own is deleted.
+    self._latest = self.manager.latest_checkpoint or path
     logging.info("step %d  saved checkpoint %s", step, path)
     return path
 
   def restore(self, scope) -> Optional[str]:
-    """See `restore_latest`."""
-    path = restore_latest(self.manager, scope)
-    self._restored = path or self._restored
+    """See `resume.restore_latest`."""
+    path = resume.restore_latest(self.manager, scope, self.items,
+                                 self.workdir)
+    self._latest = path or self._latest
     return path
+
+  def _newest_note(self) -> str:
+    if self._latest is None:
+      return newest_checkpoint_note(self.workdir)
+    return f"the newest checkpoint, {self._latest}, is intact"
 
 
 def manager(items, workdir: str, max_to_keep: int, is_chief: bool = True,
@@ -85,11 +114,11 @@ def manager(items, workdir: str, max_to_keep: int, is_chief: bool = True,
 
 class _Manager(tf.train.CheckpointManager):
   """A CheckpointManager that starts without history when the index file
-  cannot be read, instead of raising.
+  cannot be read, instead of raising, and whose failed save leaves nothing.
 
-  It then knows none of the older checkpoints, so it never deletes them;
-  `restore_latest` finds them by their names. Its first save rewrites the
-  index.
+  Without history it knows none of the older checkpoints, so it never
+  deletes them; `restore_latest` finds them by their names. Its first save
+  rewrites the index.
   """
 
   def __init__(self, checkpoint, directory, max_to_keep):
@@ -100,6 +129,43 @@ class _Manager(tf.train.CheckpointManager):
       self._maybe_delete = collections.OrderedDict()
       self._latest_checkpoint = None
       self._last_preserved_timestamp = time.time() - 1.0
+
+  def save(self, checkpoint_number: int) -> str:  # pylint: disable=arguments-differ
+    """Saves; if that fails, removes the new checkpoint's files (TensorFlow
+    leaves `ckpt-N_temp/` and partial `ckpt-N.*`, and an index's temporary
+    file) and forgets it, then raises. Returns the path."""
+    name = f"{CHECKPOINT_PREFIX}-{checkpoint_number}"
+    before = set(os.listdir(self.directory)) if os.path.isdir(
+        self.directory) else set()
+    state = (self._latest_checkpoint, collections.OrderedDict(
+        self._maybe_delete))
+    try:
+      return super().save(checkpoint_number=checkpoint_number)
+    except BaseException:
+      path = os.path.join(self.directory, name)
+      if _indexed(self.directory) == path:
+        # The index already names it: only the bookkeeping after it failed.
+        logging.warning("Saved %s, but could not update the index's list of "
+                        "older checkpoints.", path)
+        return path
+      self._latest_checkpoint, self._maybe_delete = state
+      _remove_new(self.directory, before, name)
+      raise
+
+
+def _remove_new(directory: str, before, name: str) -> None:
+  """Removes what a failed save of checkpoint `name` added to `directory`."""
+  for entry in set(os.listdir(directory)) - before:
+    if (entry == f"{name}_temp" or entry.startswith(f"{name}.")
+        or entry.startswith("checkpoint.tmp")):
+      path = os.path.join(directory, entry)
+      try:
+        if os.path.isdir(path):
+          tf.io.gfile.rmtree(path)
+        else:
+          os.unlink(path)
+      except (OSError, tf.errors.OpError) as e:
+        logging.warning("Could not remove %s (%s).", path, reason(e))
 
 
 class WorkerTempManager:
@@ -132,90 +198,13 @@ class WorkerTempManager:
   def save(self, checkpoint_number: int) -> str:
     temp = tf.train.CheckpointManager(self.checkpoint, self._temp_directory,
                                       max_to_keep=1)
-    path = temp.save(checkpoint_number=checkpoint_number)
-    tf.io.gfile.rmtree(self._temp_directory)
+    try:
+      path = temp.save(checkpoint_number=checkpoint_number)
+    finally:
+      if tf.io.gfile.exists(self._temp_directory):
+        tf.io.gfile.rmtree(self._temp_directory)
     self._latest = os.path.join(self._chief_directory, os.path.basename(path))
     return path
-
-
-def restore_latest(mgr, scope):
-  """Restores the newest readable checkpoint under `scope`.
-
-  A checkpoint that fails to read (a truncated or missing file) is skipped
-  with a warning, and the one before it is tried: a crash or a full disk
-  costs one checkpoint interval, never the run.
-
-  Returns:
-    The path restored, or None if the directory holds no checkpoint.
-
-  Raises:
-    UserError: checkpoints exist but none can be read.
-    tf.errors.OpError: a lost peer or parameter server
-      (`strategy.LOST_TASK_ERRORS`), which every older checkpoint would hit
-      too; `train.run` has the mode's `cluster_error` explain it.
-  """
-  candidates = _candidates(mgr)
-  if not candidates:
-    return None
-  failures = []
-  with scope:
-    path = _restore_first_readable(mgr.checkpoint, reversed(candidates),
-                                   failures)
-  if path is not None:
-    logging.info("Resumed from %s.", path)
-    return path
-  raise UserError(
-      f"no readable checkpoint in {os.path.dirname(candidates[-1])} (tried "
-      f"{', '.join(os.path.basename(p) for p in failures)}); move that "
-      "directory aside to start the run over")
-
-
-def _restore_first_readable(checkpoint, paths, failures):
-  for path in paths:
-    try:
-      checkpoint.restore(path).assert_existing_objects_matched()
-    except strategy_lib.LOST_TASK_ERRORS:
-      raise  # Not this file's fault: an older one would fail the same way.
-    except (tf.errors.OpError, ValueError, AssertionError, IndexError,
-            KeyError) as e:  # What truncated or missing files raise.
-      first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
-      logging.warning("Checkpoint %s is unreadable (%s: %s); trying the one "
-                      "before it.", path, type(e).__name__, first_line[:200])
-      failures.append(path)
-      continue
-    return path
-  return None
-
-
-def _candidates(mgr) -> List[str]:
-  """Checkpoint paths, oldest first: the manager's list and its latest; or,
-  if the index named none, every `ckpt-N` in the directory."""
-  listed = list(getattr(mgr, "checkpoints", None) or [])
-  latest = mgr.latest_checkpoint
-  if latest and latest not in listed:
-    listed.append(latest)
-  if listed:
-    return listed
-  directory = mgr.directory
-  found = scan(directory)
-  if found:
-    logging.warning(
-        "The checkpoint index %s is missing or unreadable; trying the "
-        "checkpoints it should list, newest first: %s.",
-        os.path.join(directory, "checkpoint"),
-        ", ".join(os.path.basename(p) for p in reversed(found)))
-  return found
-
-
-def scan(directory: str) -> List[str]:
-  """The `ckpt-N` checkpoints in `directory` by their files, oldest first."""
-  steps = []
-  for index in glob.glob(os.path.join(glob.escape(directory),
-                                      f"{PREFIX}-*.index")):
-    match = re.fullmatch(rf"{PREFIX}-(\d+)\.index", os.path.basename(index))
-    if match:
-      steps.append(int(match.group(1)))
-  return [os.path.join(directory, f"{PREFIX}-{n}") for n in sorted(steps)]
 
 
 def _indexed(directory: str) -> Optional[str]:
@@ -239,7 +228,8 @@ def load_model(config, path: Optional[str] = None):
   model = models.build(config.model, dataset.input_shape,
                        dataset.num_classes, options=config.model_options)
   directory = os.path.join(config.workdir, CHECKPOINT_DIR)
-  path = path or _indexed(directory) or (scan(directory) or [None])[-1]
+  path = path or _indexed(directory) or (scan_checkpoints(directory)
+                                          or [None])[-1]
   if path is None:
     raise FileNotFoundError(f"no checkpoint in {config.workdir}")
   tf.train.Checkpoint(model=model).restore(path).expect_partial()

@@ -5,10 +5,15 @@ and replaces the target in one rename; the directory is then synced so the
 rename itself survives a power cut. A failure (a full disk, a directory in
 the target's place) raises `OSError` with the old file intact and no
 temporary file left.
+
+`reason` is what a one-line error says about any failed write, ours or
+TensorFlow's (a checkpoint, an events file): the operating system's words,
+"No space left on device", without the op and device names around them.
 """
 
 import json
 import os
+import re
 import tempfile
 
 
@@ -42,3 +47,15 @@ def _sync_directory(directory: str) -> None:
 
 def atomic_write_json(path: str, data) -> None:
   atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def reason(error: BaseException) -> str:
+  """Why a write failed, in a few words, from an `OSError` or a TensorFlow
+  I/O error (whose first line is "{{function_node ...}} PATH; No space
+  left on device [Op:SaveV2]")."""
+  if isinstance(error, OSError) and error.strerror:
+    return error.strerror
+  text = str(getattr(error, "message", None) or error).strip()
+  line = text.splitlines()[0] if text else type(error).__name__
+  line = re.sub(r"\s*\[Op:[^\]]*\].*$", "", line)
+  return line.rsplit("; ", 1)[-1].strip()[:200] or type(error).__name__

@@ -17,8 +17,14 @@ alone decides where TensorBoard shows them. Under WORKDIR/tb:
 `tensorboard --logdir runs/` then shows `default/tb/train`,
 `default/tb/eval`, ...: runs named after their workdirs. Non-chief processes
 get writers that do nothing, so callers never branch on the role.
+
+A write that fails (a full disk) is one `UserError` naming the directory
+and the newest checkpoint, which a rerun resumes from; after it every
+write does nothing, so the run's clean-up (a flush, the close) does not
+raise again over it.
 """
 
+import functools
 import os
 import re
 from typing import Dict, Mapping, Optional, Set, Tuple
@@ -29,6 +35,10 @@ from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.plugins.custom_scalar import summary as custom_scalar
 from tensorboard.plugins.hparams import api as hp
 from tensorboard.plugins.hparams import plugin_data_pb2
+
+from dist_loop.checkpoint_names import newest_checkpoint_note
+from dist_loop.errors import UserError
+from dist_loop.files import reason
 
 LOGDIR = "tb"
 TRAIN, EVAL = "train", "eval"
@@ -72,6 +82,22 @@ CUSTOM_SCALARS = (
 )
 
 
+def _writes(method):
+  """Marks a method that writes events: see the module docstring."""
+
+  @functools.wraps(method)
+  def guarded(self, *args, **kwargs):
+    if self._failed:  # pylint: disable=protected-access
+      return None
+    try:
+      return method(self, *args, **kwargs)
+    except (tf.errors.OpError, OSError) as e:
+      self._failed = True  # pylint: disable=protected-access
+      raise self._unwritable(e) from None  # pylint: disable=protected-access
+
+  return guarded
+
+
 def route(name: str) -> Tuple[str, str]:
   """The (run, tag) under which TensorBoard shows a flat metric name."""
   head, slash, tail = name.partition("/")
@@ -86,21 +112,33 @@ class Summaries:
 
   def __init__(self, workdir: str, enabled: bool = True):
     self.enabled = enabled
+    self.workdir = workdir
     self.logdir = os.path.join(workdir, LOGDIR)
     self.trial_id = os.path.basename(os.path.normpath(os.path.abspath(
         workdir)))
-    self._writers = {
-        run: (tf.summary.create_file_writer(os.path.join(self.logdir, run))
-              if enabled else tf.summary.create_noop_writer())
-        for run in (SESSION, TRAIN, EVAL)}
     self._scalar_tags: Set[str] = set()
     self._tracing = False
     self._profiling = False
     self._closed = False
+    self._failed = False
+    try:
+      self._writers = {
+          run: (tf.summary.create_file_writer(os.path.join(self.logdir, run))
+                if enabled else tf.summary.create_noop_writer())
+          for run in (SESSION, TRAIN, EVAL)}
+    except (tf.errors.OpError, OSError) as e:
+      raise self._unwritable(e) from None
+
+  def _unwritable(self, error) -> UserError:
+    return UserError(
+        f"cannot write TensorBoard events under {self.logdir} "
+        f"({reason(error)}); {newest_checkpoint_note(self.workdir)}. Free "
+        "some space, then rerun the same command to resume")
 
   def run_dir(self, run: str) -> str:
     return os.path.join(self.logdir, run)
 
+  @_writes
   def scalars(self, step: int, values: Mapping[str, float]) -> None:
     for name, value in values.items():
       run, tag = route(name)
@@ -108,12 +146,14 @@ class Summaries:
       with self._writers[run].as_default(step=step):
         tf.summary.scalar(tag, value)
 
+  @_writes
   def histograms(self, step: int, values: Mapping[str, np.ndarray]) -> None:
     for name, value in values.items():
       run, tag = route(name)
       with self._writers[run].as_default(step=step):
         tf.summary.histogram(tag, value)
 
+  @_writes
   def images(self, step: int, values: Mapping[str, np.ndarray],
              descriptions: Optional[Mapping[str, str]] = None) -> None:
     """One image per name, in the Images tab.
@@ -137,6 +177,7 @@ class Summaries:
         tf.summary.image(tag, value[None], max_outputs=1,
                          description=(descriptions or {}).get(name))
 
+  @_writes
   def hparams(self, values: Dict[str, object]) -> None:
     """The run's flags as its HParams session, named after the workdir
     (the trial ID; a resumed run continues its trial), with the final
@@ -158,6 +199,7 @@ class Summaries:
       tf.summary.experimental.write_raw_pb(config.SerializeToString(), step=0)
       hp.hparams(clean, trial_id=self.trial_id)
 
+  @_writes
   def final(self, summary: Mapping[str, object]) -> None:
     """summary.json's throughput and wall time, as `final/...` scalars of
     the HParams session at the final step."""
@@ -172,6 +214,7 @@ class Summaries:
       tf.summary.trace_on(graph=True, profiler=False)
       self._tracing = True
 
+  @_writes
   def trace_end(self, step: int) -> None:
     if self._tracing:
       with self._writers[TRAIN].as_default(step=step):
@@ -185,20 +228,35 @@ class Summaries:
       tf.profiler.experimental.start(self.run_dir(TRAIN))
       self._profiling = True
 
+  @_writes
   def profile_end(self) -> None:
     if self._profiling:
       tf.profiler.experimental.stop()
       self._profiling = False
 
+  @_writes
   def flush(self) -> None:
     for writer in self._writers.values():
       writer.flush()
 
   def close(self) -> None:
-    """Writes the custom-scalars layout, then closes. Safe to call twice."""
+    """Writes the custom-scalars layout, then closes. Safe to call twice;
+    after a failed write it only lets the writers go."""
     if self._closed:
       return
     self._closed = True
+    try:
+      self._close()
+    finally:
+      if self._failed:
+        for writer in self._writers.values():
+          try:
+            writer.close()
+          except tf.errors.OpError:
+            pass  # What it held is lost; the failure was reported.
+
+  @_writes
+  def _close(self) -> None:
     self.profile_end()
     layout = custom_scalars_layout(self._scalar_tags)
     if self.enabled and layout.category:

@@ -3,13 +3,15 @@ checkpoints written before the restructure."""
 
 import os
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from conftest import REPO
-from dist_loop import checkpoints, cluster, configure, data, devices, train
+from dist_loop import checkpoint_names, checkpoints, cluster, configure, data
+from dist_loop import devices, train
 from dist_loop.config import parse_flagfile
 from dist_loop.errors import UserError
 from dist_loop.modes import build_trainer
@@ -41,13 +43,18 @@ def test_save_skips_a_step_already_saved_and_restore_takes_the_newest(
   assert fresh["w"].numpy().tolist() == [4.0, 4.0]
 
 
-def test_an_unreadable_newest_checkpoint_falls_back_to_the_one_before(
-    tmp_path):
+def _save_steps(workdir, steps, max_to_keep=5):
+  """A checkpoint of each of `steps`, whose `w` is [step, step]."""
   items = _items()
-  saver = checkpoints.Checkpointer(items, str(tmp_path), max_to_keep=3)
-  for step in (1, 2):
+  saver = checkpoints.Checkpointer(items, str(workdir), max_to_keep)
+  for step in steps:
     items["w"].assign([step, step])
     saver.save(step)
+
+
+def test_an_unreadable_newest_checkpoint_falls_back_to_the_one_before(
+    tmp_path):
+  _save_steps(tmp_path, (1, 2), max_to_keep=3)
   data_file = tmp_path / "checkpoints" / "ckpt-2.data-00000-of-00001"
   data_file.write_bytes(data_file.read_bytes()[:5])
   fresh = _items(-1.0)
@@ -55,7 +62,8 @@ def test_an_unreadable_newest_checkpoint_falls_back_to_the_one_before(
       tf.distribute.get_strategy().scope())
   assert path.endswith("ckpt-1") and fresh["w"].numpy().tolist() == [1.0, 1.0]
   (tmp_path / "checkpoints" / "ckpt-1.index").write_bytes(b"")
-  with pytest.raises(UserError, match="no readable checkpoint"):
+  with pytest.raises(UserError, match="no readable checkpoint .*tried ckpt-2, "
+                     "ckpt-1: each is truncated or missing"):
     checkpoints.Checkpointer(_items(), str(tmp_path), 3).restore(
         tf.distribute.get_strategy().scope())
 
@@ -63,13 +71,9 @@ def test_an_unreadable_newest_checkpoint_falls_back_to_the_one_before(
 @pytest.mark.parametrize("is_chief", [True, False], ids=["chief", "worker"])
 def test_an_unreadable_index_is_replaced_by_the_checkpoints_names(
     tmp_path, is_chief):
-  items = _items()
-  saver = checkpoints.Checkpointer(items, str(tmp_path), max_to_keep=5)
-  for step in (2, 4, 10):
-    items["w"].assign([step, step])
-    saver.save(step)
+  _save_steps(tmp_path, (2, 4, 10))
   (tmp_path / "checkpoints" / "checkpoint").write_bytes(b"\xff\xfe garbage")
-  assert [os.path.basename(p) for p in checkpoints.scan(
+  assert [os.path.basename(p) for p in checkpoint_names.scan_checkpoints(
       str(tmp_path / "checkpoints"))] == ["ckpt-2", "ckpt-4", "ckpt-10"]
   fresh = _items(-1.0)
   reader = checkpoints.Checkpointer(fresh, str(tmp_path), 5, is_chief,
@@ -78,6 +82,84 @@ def test_an_unreadable_index_is_replaced_by_the_checkpoints_names(
       "ckpt-10")
   assert fresh["w"].numpy().tolist() == [10.0, 10.0]
   assert reader.saved_step == 10  # So the same step is not saved again.
+
+
+def test_an_index_naming_only_a_missing_checkpoint_falls_back_to_the_files(
+    tmp_path, caplog):
+  _save_steps(tmp_path, (50, 100))
+  index = tmp_path / "checkpoints" / "checkpoint"
+  index.write_text('model_checkpoint_path: "ckpt-999"\n'
+                   'all_model_checkpoint_paths: "ckpt-999"\n')
+  fresh = _items(-1.0)
+  reader = checkpoints.Checkpointer(fresh, str(tmp_path), 5)
+  assert reader.restore(tf.distribute.get_strategy().scope()).endswith(
+      "ckpt-100")
+  assert fresh["w"].numpy().tolist() == [100.0, 100.0]
+  assert reader.saved_step == 100
+  assert (f"None of the checkpoints the index {index} names can be read; "
+          "trying the other checkpoints, newest first: ckpt-100, ckpt-50."
+          in caplog.text)
+  fresh["w"].assign([110.0, 110.0])
+  assert reader.save(110).endswith("ckpt-110")
+  assert tf.train.latest_checkpoint(str(tmp_path / "checkpoints")).endswith(
+      "ckpt-110")
+
+
+def _checkpoint_files(directory):
+  return {p.name: p.read_bytes() for p in directory.iterdir()}
+
+
+@pytest.mark.parametrize("case", ["an_item_it_lacks", "another_shape"])
+def test_a_readable_checkpoint_that_does_not_fit_is_not_called_unreadable(
+    tmp_path, case):
+  saver = checkpoints.Checkpointer(_items(), str(tmp_path), 3)
+  saver.save(1)
+  saver.save(2)
+  before = _checkpoint_files(tmp_path / "checkpoints")
+  if case == "an_item_it_lacks":  # As local_sgd's replicas, sync's none.
+    items, differs = {**_items(), "replicas": tf.Variable(1.0)}, (
+        "it holds no replicas, which this run's mode and settings need")
+  else:  # As another --model.
+    items = {"step": tf.Variable(0, dtype=tf.int64),
+             "w": tf.Variable([0.0, 0.0, 0.0])}
+    differs = "has shape (3,), where it holds one of shape (2,)"
+  with pytest.raises(UserError) as info:
+    checkpoints.Checkpointer(items, str(tmp_path), 3).restore(
+        tf.distribute.get_strategy().scope())
+  message = str(info.value)
+  assert message.startswith(f"the checkpoint {tmp_path}/checkpoints/ckpt-2 "
+                            "is readable, but this run cannot resume from "
+                            "it: ")
+  assert differs in message
+  assert "aside" not in message and "unreadable" not in message
+  assert message.endswith("give this run a new --workdir. The checkpoints "
+                          "were left as they are")
+  assert _checkpoint_files(tmp_path / "checkpoints") == before
+
+
+def test_resuming_as_another_mode_or_model_says_what_differs(small_config):
+  cfg = small_config(num_devices=2, optimizer="adam", train_steps=4,
+                     steps_per_loop=2, log_every=2, checkpoint_every=2)
+  train.run(cfg)
+  saved = _checkpoint_files(Path(cfg.workdir) / "checkpoints")
+  changes = {
+      "local_sgd": (dict(mode="local_sgd", sync_every=2),
+                    "it holds no outer_optimizer, replicas, which this run's "
+                    "mode and settings need"),
+      "deep_mlp": (dict(model="deep_mlp"),
+                   "this run's deep_mlp/dense_in/kernel has shape (10, 512), "
+                   "where it holds one of shape (10, 128)"),
+  }
+  for change, differs in changes.values():
+    other = small_config(**{**dict(num_devices=2, optimizer="adam",
+                                   train_steps=6, steps_per_loop=2,
+                                   log_every=2, checkpoint_every=2),
+                            **change, "allow_config_change": True})
+    with pytest.raises(UserError) as info:
+      train.run(other)
+    assert differs in str(info.value)
+    assert f"(the ones in {cfg.workdir}/flags.txt)" in str(info.value)
+  assert _checkpoint_files(Path(cfg.workdir) / "checkpoints") == saved
 
 
 def test_a_lost_peer_is_not_taken_for_an_unreadable_checkpoint(

@@ -16,7 +16,7 @@ import pytest
 import tensorflow as tf
 
 from conftest import REPO, checkpoint_variables, max_diff, run_main
-from dist_loop import train
+from dist_loop import checkpoints, train
 from dist_loop.data import stream
 from dist_loop.data.base import DATASETS, Dataset
 from dist_loop.errors import NonFiniteError, UserError
@@ -117,7 +117,8 @@ def test_transient_nonfinite_rollback_equals_uninterrupted(
                   checkpoint_variables(faulty)) <= 1e-6
 
 
-def test_corrupt_latest_checkpoint_falls_back(small_config, tmp_path):
+def test_corrupt_latest_checkpoint_falls_back(small_config, tmp_path,
+                                              monkeypatch):
   common = dict(optimizer="adam", learning_rate=0.01, checkpoint_every=2,
                 steps_per_loop=2, log_every=2, max_checkpoints=5)
   whole = small_config(workdir=str(tmp_path / "whole"), train_steps=8,
@@ -129,7 +130,19 @@ def test_corrupt_latest_checkpoint_falls_back(small_config, tmp_path):
                            "ckpt-6.data-00000-of-00001")
   with open(data_file, "r+b") as f:
     f.truncate(os.path.getsize(data_file) // 2)
-  summary = train.run(part.replace(train_steps=8))  # Resumes from step 4.
+  restored = []  # (path, the step counter right after the restore)
+  real_restore = checkpoints.Checkpointer.restore
+
+  def spy(self, scope):
+    path = real_restore(self, scope)
+    restored.append((path, int(self.items["step"].numpy())))
+    return path
+
+  monkeypatch.setattr(checkpoints.Checkpointer, "restore", spy)
+  summary = train.run(part.replace(train_steps=8))
+  # It resumed from ckpt-4 (a restart from step 0 would end the same).
+  assert restored == [(os.path.join(part.workdir, "checkpoints", "ckpt-4"),
+                       4)]
   assert summary["final_step"] == 8
   assert max_diff(checkpoint_variables(whole),
                   checkpoint_variables(part)) <= 1e-6

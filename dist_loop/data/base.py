@@ -1,6 +1,6 @@
 """What every dataset loader returns, and the registry they join.
 
-A loader is `fn(data_dir, seed, image_size) -> Dataset`: numpy arrays in memory,
+A loader is `fn(data_dir, seed, image_size) -> Dataset`: arrays in memory,
 already normalised, with a held-out evaluation split. `image_size` is what the
 model asks for (the seed CNN wants 28x28x1); loaders of image data resize to
 it, and loaders of feature or text data ignore it. A loader that declares
@@ -8,6 +8,12 @@ it, and loaders of feature or text data ignore it. A loader that declares
 with `options=`. Inputs are float32 features or images, or int32 token ids
 for a language-model dataset (`data/text.py`), whose labels are the next
 token at every position.
+
+`load` checks what a loader returns before anything trains (`check`): a file
+with the wrong shapes, labels out of range or no examples stops the run with
+one line naming the file, instead of failing mid-training or, worse,
+"training" on garbage. A loader checks only what its own format needs to be
+converted (mnist: images of rank 3); the rules every dataset shares are here.
 """
 
 import dataclasses
@@ -15,6 +21,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 
+from dist_loop.errors import UserError
 from dist_loop.registry import Registry
 
 
@@ -23,7 +30,9 @@ class Dataset:
   """A dataset in memory: inputs, int32 labels, train and held-out eval.
 
   Labels are [n] class ids, or [n, seq_len] next tokens for a language
-  model; `num_classes` is then the vocabulary.
+  model; `num_classes` is then the vocabulary. The arrays are numpy arrays,
+  or CPU `tf.Tensor`s where a loader wants the input stream to use them
+  without a copy (`data/text.py`: the windows are most of the memory).
   """
 
   train_x: np.ndarray
@@ -33,6 +42,9 @@ class Dataset:
   num_classes: int
   # The registered task it poses (dist_loop/tasks): what the loss is.
   task: str = "classification"
+  # The file the arrays came from, as an error should name it
+  # ("/data/mnist.npz", "--data_file=notes.txt"); empty for data made in code.
+  source: str = ""
 
   @property
   def input_shape(self) -> Tuple[int, ...]:
@@ -53,8 +65,89 @@ def load(config) -> Dataset:
     kwargs["options"] = (config.dataset_options
                          if config.dataset_options is not None
                          else loader.Options())
-  return loader(config.data_dir, config.seed,
-                models.image_size_for(config.model), **kwargs)
+  dataset = loader(config.data_dir, config.seed,
+                   models.image_size_for(config.model), **kwargs)
+  check(dataset, config.dataset)
+  return dataset
+
+
+_PARTS = (("train", "train_x", "train_y"), ("eval", "eval_x", "eval_y"))
+
+
+def check(dataset: Dataset, name: str) -> None:
+  """Refuses a dataset no model could train on, naming its file.
+
+  Every split holds at least one example, as many labels as inputs, numeric
+  inputs of rank 2 or more with the same example shape in both splits,
+  integer labels of shape [n] (a class per example) or the inputs' shape (a
+  token per position), and every label in [0, num_classes). Non-finite
+  inputs are allowed: what a step does with them is the `--nonfinite`
+  policy's business.
+
+  Args:
+    dataset: what the loader of `--dataset=name` returned.
+    name: the dataset's registered name.
+
+  Raises:
+    UserError: one line naming the file (or the loader) and the fix.
+  """
+  if dataset.source:
+    where, fix = dataset.source, "replace the file with a valid one"
+  else:
+    where, fix = f"the loader of --dataset={name}", "fix that loader"
+  problem = _problem(dataset)
+  if problem:
+    raise UserError(f"{where}: {problem}; {fix}")
+
+
+def _problem(dataset: Dataset) -> Optional[str]:
+  """What makes `dataset` unusable, or None."""
+  arrays = {}
+  for field in ("train_x", "train_y", "eval_x", "eval_y"):
+    value = getattr(dataset, field)
+    if not hasattr(value, "shape"):
+      return f"{field} is a {type(value).__name__}, not an array"
+    arrays[field] = np.asarray(value)  # A CPU tensor's memory, not a copy.
+  if not isinstance(dataset.num_classes, (int, np.integer)) or (
+      dataset.num_classes < 1):
+    return f"num_classes is {dataset.num_classes!r}, not a positive integer"
+  shape = arrays["train_x"].shape[1:]
+  for split, x_name, y_name in _PARTS:
+    x, y = arrays[x_name], arrays[y_name]
+    if x.ndim < 2 or 0 in x.shape[1:]:
+      return (f"the {split} inputs have shape {x.shape}, not [examples, "
+              "features...]")
+    if x.shape[1:] != shape:
+      return (f"the eval inputs' examples have shape {x.shape[1:]}, the "
+              f"train inputs' {shape}")
+    if not len(x):
+      return f"there are no {split} examples"
+    if len(y) != len(x):
+      return f"{len(x)} {split} inputs but {len(y)} labels"
+    if not (np.issubdtype(x.dtype, np.floating)
+            or np.issubdtype(x.dtype, np.integer)):
+      return f"the {split} inputs are of type {x.dtype}, not numbers"
+    if not np.issubdtype(y.dtype, np.integer):
+      return f"the {split} labels are of type {y.dtype}, not integers"
+    if y.ndim != 1 and y.shape != x.shape:
+      return (f"the {split} labels have shape {y.shape}: one per example "
+              f"({len(x)},) or one per input position {x.shape}")
+    low, high = int(y.min()), int(y.max())
+    if low < 0 or high >= dataset.num_classes:
+      bad = low if low < 0 else high
+      return (f"{split} label {bad} is outside the {dataset.num_classes} "
+              f"classes 0..{dataset.num_classes - 1}")
+  return None
+
+
+def int32_labels(y: np.ndarray) -> np.ndarray:
+  """Integer labels as int32 when every value fits, so that the cast never
+  changes a label; otherwise unchanged, for `check` to report."""
+  limits = np.iinfo(np.int32)
+  if (np.issubdtype(y.dtype, np.integer) and y.size
+      and limits.min <= y.min() and y.max() <= limits.max):
+    return y.astype(np.int32)
+  return y
 
 
 def resize_images(images: np.ndarray, image_size: Optional[int]) -> np.ndarray:

@@ -2,9 +2,9 @@
 
 Two datasets, both bytes with a vocabulary of 256 (no tokenizer):
 
-* `--dataset=text --data_file=PATH`: any file, UTF-8 text or binary.
+* `--dataset=text --data_file=PATH`: any regular file, UTF-8 text or binary.
 * `--dataset=pysource`: the source of a fixed list of Python standard-library
-  modules (`PYSOURCE_FILES`), read from the running interpreter's own
+  modules (`corpus.PYSOURCE_FILES`), read from the running interpreter's own
   installation, so it exists offline wherever Python does. About 1.4 MB; the
   exact bytes follow the Python version.
 
@@ -13,19 +13,28 @@ is training data; no window crosses the cut. An example is a window of
 `seq_len + 1` bytes: the input is its first `seq_len` bytes and the targets
 the same bytes shifted by one. Windows start every `seq_len` bytes, so the
 inputs do not overlap and every byte after the first of each part is a
-target exactly once; a tail shorter than a window is dropped. The windows
-are materialised as int32 arrays [num_windows, seq_len] (8 bytes of memory
-per byte of data) because the input stream shards example indices.
+target exactly once; a tail shorter than a window is dropped.
+
+Memory: the windows are int32 [num_windows, seq_len] arrays, because the
+input stream shards example indices. They are CPU tensors, not numpy arrays,
+so that the input stream (every async worker's too) takes them as they are,
+without a copy: the inputs are a view of the data as int32 and the targets
+one copy of it, 8 bytes per byte of the file. Reading the file takes 2 bytes
+per byte, freed before the windows are made, so loading peaks at 8x the
+file, within the bound of 10x that `tests/test_text_data.py` measures. A
+file whose windows would not fit in the memory available is refused before
+it is read (`data/corpus.py` checks the file itself).
 """
 
 import dataclasses
-import os
-import sysconfig
-from typing import Optional, Sequence
+from typing import Callable, Optional
 
 import numpy as np
+import tensorflow as tf
 
 from dist_loop.data.base import DATASETS, Dataset
+from dist_loop.data.corpus import available_memory, file_size, pysource_bytes
+from dist_loop.data.corpus import read_file
 from dist_loop.errors import UserError
 from dist_loop.options import option
 # The datasets pose this task; importing it registers it.
@@ -34,20 +43,17 @@ from dist_loop.tasks import language_model  # pylint: disable=unused-import
 VOCAB_SIZE = 256
 HELD_OUT_PARTS = 20  # The last 1/20 of the bytes (5%) is held out.
 TASK = "language_model"
-
-# Large, pure-Python modules that have kept their path for many releases.
-PYSOURCE_FILES = (
-    "_pydecimal.py", "inspect.py", "typing.py", "pydoc.py",
-    "email/_header_value_parser.py", "tarfile.py", "doctest.py",
-    "argparse.py", "subprocess.py", "difflib.py", "logging/__init__.py",
-    "enum.py", "pickle.py",
-)
+# The longest context: attention holds seq_len**2 scores per head and
+# example (64 MB at 4096, in float32), so a longer one cannot train here.
+MAX_SEQ_LEN = 4096
+# Memory per byte of data once the windows are made (see the docstring).
+BYTES_PER_BYTE = 8
 
 
 def _seq_len_option():
   # One definition, so that both datasets declare `--seq_len` alike.
   return option(128, "Bytes of context per example: the model's input "
-                "length.", lower=1, layout=True)
+                "length.", lower=1, upper=MAX_SEQ_LEN, layout=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,16 +89,6 @@ def held_out_bytes(n: int) -> int:
   return -(-n // HELD_OUT_PARTS)
 
 
-def windows(data: np.ndarray, seq_len: int):
-  """(inputs, targets): int32 [n, seq_len] windows of a uint8 array, each
-  starting `seq_len` bytes after the previous one; targets are the inputs
-  shifted by one byte."""
-  n = (len(data) - 1) // seq_len
-  x = data[:n * seq_len].reshape(n, seq_len)
-  y = data[1:n * seq_len + 1].reshape(n, seq_len)
-  return x.astype(np.int32), y.astype(np.int32)
-
-
 def from_bytes(data: bytes, seq_len: int, source: str) -> Dataset:
   """The language-model Dataset of `data`: the last 5% held out.
 
@@ -104,64 +100,91 @@ def from_bytes(data: bytes, seq_len: int, source: str) -> Dataset:
   Raises:
     UserError: the data is empty or too short for one held-out window.
   """
+  _check_length(len(data), seq_len, source)
+  return _dataset(lambda: _as_tensor(data), seq_len, source)
+
+
+def from_file(path: str, seq_len: int) -> Dataset:
+  """The language-model Dataset of the file `path` (--data_file).
+
+  Raises:
+    UserError: one line naming the file and the fix: it is missing, not a
+      regular file, unreadable, empty, too short for `seq_len`, or too large
+      for the memory available.
+  """
+  source = f"--data_file={path}"
+  size = file_size(path)
+  _check_length(size, seq_len, source)
+  need, available = BYTES_PER_BYTE * size, available_memory()
+  if available is not None and need > available:
+    raise UserError(
+        f"{source} has {size / 2**20:.0f} MB; its windows need about "
+        f"{need / 2**20:.0f} MB of memory ({BYTES_PER_BYTE} bytes per byte), "
+        f"but {available / 2**20:.0f} MB are available; use a smaller file")
+  return _dataset(lambda: _as_tensor(read_file(path)), seq_len, source)
+
+
+def _check_length(n: int, seq_len: int, source: str) -> None:
   need = min_bytes(seq_len)
-  if not data:
+  if not n:
     raise UserError(f"{source} is empty; give a file of at least {need} "
                     f"bytes for --seq_len={seq_len}")
-  if len(data) < need:
-    fits = (len(data) - 1) // HELD_OUT_PARTS  # The longest seq_len that fits.
+  if n < need:
+    fits = (n - 1) // HELD_OUT_PARTS  # The longest seq_len that fits.
     shorter = f" or --seq_len={fits}" if fits >= 1 else ""
     raise UserError(
-        f"{source} has {len(data)} bytes, too short for --seq_len={seq_len}: "
+        f"{source} has {n} bytes, too short for --seq_len={seq_len}: "
         f"its last 5% must hold one window of {seq_len + 1} bytes, so it "
         f"needs at least {need}; use a longer file{shorter}")
-  array = np.frombuffer(data, dtype=np.uint8)
-  cut = len(array) - held_out_bytes(len(array))
-  train_x, train_y = windows(array[:cut], seq_len)
-  eval_x, eval_y = windows(array[cut:], seq_len)
-  return Dataset(train_x, train_y, eval_x, eval_y, VOCAB_SIZE, task=TASK)
 
 
-def read_file(path: str) -> bytes:
-  """The bytes of `path` for --data_file. Raises a one-line UserError."""
+def _as_tensor(data: bytes) -> tf.Tensor:
+  with tf.device("/CPU:0"):
+    return tf.constant(np.frombuffer(data, dtype=np.uint8))
+
+
+def _dataset(read: Callable[[], tf.Tensor], seq_len: int,
+             source: str) -> Dataset:
+  """The windows of the uint8 tensor `read()` returns.
+
+  `read` is a function so that this frame holds the only reference to the
+  bytes, and can free them before the targets, the one copy, are made.
+  """
   try:
-    with open(os.path.expanduser(path), "rb") as f:
-      return f.read()
-  except FileNotFoundError:
-    raise UserError(f"--data_file={path}: no such file; pass the path of an "
-                    "existing file") from None
-  except IsADirectoryError:
-    raise UserError(f"--data_file={path} is a directory; pass a file") from None
-  except OSError as e:
-    raise UserError(f"--data_file={path} cannot be read ({e.strerror or e}); "
-                    "check its permissions, or pass another file") from None
+    with tf.device("/CPU:0"):
+      data = read()
+      n = int(data.shape[0])
+      cut = n - held_out_bytes(n)
+      eval_tokens = tf.cast(data[cut:], tf.int32)
+      train_tokens = tf.cast(data[:cut], tf.int32)
+      del data
+      eval_x, eval_y = _windows(eval_tokens, seq_len)
+      train_x, train_y = _windows(train_tokens, seq_len)
+  except (MemoryError, tf.errors.ResourceExhaustedError):
+    raise UserError(f"{source} does not fit in memory as windows "
+                    f"({BYTES_PER_BYTE} bytes per byte); use a smaller file"
+                    ) from None
+  return Dataset(train_x, train_y, eval_x, eval_y, VOCAB_SIZE, task=TASK,
+                 source=source)
 
 
-def pysource_bytes(stdlib_dir: Optional[str] = None,
-                   files: Sequence[str] = PYSOURCE_FILES) -> bytes:
-  """The `pysource` corpus: `files` of the standard library, concatenated
-  in order. Raises a UserError naming the first missing file."""
-  stdlib_dir = stdlib_dir or sysconfig.get_paths()["stdlib"]
-  parts = []
-  for name in files:
-    path = os.path.join(stdlib_dir, name)
-    try:
-      with open(path, "rb") as f:
-        parts.append(f.read())
-    except OSError as e:
-      raise UserError(
-          f"--dataset=pysource reads the Python standard library, but {path} "
-          f"cannot be read ({e.strerror or e}); use a complete Python "
-          "installation, or --dataset=text --data_file=PATH") from None
-  return b"".join(parts)
+def _windows(tokens: tf.Tensor, seq_len: int):
+  """(inputs, targets): int32 [n, seq_len] windows of int32 tokens, each
+  starting `seq_len` tokens after the previous one; targets are the inputs
+  shifted by one token."""
+  n = (int(tokens.shape[0]) - 1) // seq_len
+  # A slice from the start shares the tokens' memory; one from the second
+  # token is a copy.
+  x = tf.reshape(tokens[:n * seq_len], [n, seq_len])
+  y = tf.reshape(tokens[1:n * seq_len + 1], [n, seq_len])
+  return x, y
 
 
 @DATASETS.register("text")
 def load_text(data_dir, seed, image_size=None, options=None) -> Dataset:
   del data_dir, seed, image_size  # The split is fixed: the last 5%.
   options = options or TextOptions()
-  return from_bytes(read_file(options.data_file), options.seq_len,
-                    f"--data_file={options.data_file}")
+  return from_file(options.data_file, options.seq_len)
 
 
 @DATASETS.register("pysource")
