@@ -148,6 +148,12 @@ class PSTrainer(Trainer, Reporting):
   def scope(self):
     return self.strategy.scope()
 
+  def close(self) -> None:
+    # Released now, not at interpreter exit. The iterators run on the
+    # workers with autotuning off (`data/stream.py`), so freeing one there
+    # only stops its tf.data threads.
+    self._iterator = None
+
   # -- on a worker: up to K steps per scheduled call --
 
   def _dataset_fn(self):
