@@ -18,10 +18,16 @@ single-device training:
 (sync and pipeline): the step counter, the non-finite policy and loss-scale
 skips, the divergence guard (`--max_loss`), and the means of the metrics
 over the loop.
+
+The loop base (`modes/loop.py`) keeps those means differently: each replica
+sums its own steps' values in the traced loop (`zero_sums`, `add_step`),
+one gather brings every replica's row (`sums_row`) to the host once per
+loop, and `LoopSums` turns the rows into means over the applied steps.
 """
 
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
+import numpy as np
 import tensorflow as tf
 
 from dist_loop.tasks import Task
@@ -186,3 +192,120 @@ def run_steps(step_fn: StepFn, iterator, num_steps: tf.Tensor,
   if loss_scale is not None:
     means["loss_scale"] = loss_scale.scale.read_value()
   return means, bad_step, carry
+
+
+# -- A loop's sums, per replica (the loop base) --
+
+# The counts that follow the sums in a replica's row (`sums_row`).
+COUNTS = ("applied", "skipped", "skipped_at_end", "first_bad")
+NO_STEP = 2**53  # "No bad step": beyond any step, exact in float64.
+
+
+def zero_sums(keys: Sequence[str]) -> Dict[str, tf.Tensor]:
+  """A replica's sums before a loop's first step (traced)."""
+  sums = {k: tf.constant(0.0) for k in keys}
+  zero = tf.constant(0.0, tf.float64)
+  sums.update(applied=zero, skipped=zero, skipped_at_end=zero,
+              first_bad=tf.constant(float(NO_STEP), tf.float64))
+  return sums
+
+
+def add_step(sums, values, *, applied, loss_ok, may_skip: bool,
+             skip_all: bool, step) -> Dict[str, tf.Tensor]:
+  """A replica's `sums` after one more step (traced).
+
+  Args:
+    sums: from `zero_sums`, or the previous step.
+    values: the step's float32 value of every key of `sums` but the counts.
+    applied: bool tensor: the step's update was applied.
+    loss_ok: bool tensor: this replica's loss was finite.
+    may_skip: a step not applied is skipped, not bad (`--nonfinite=skip`,
+      or a float16 loss scale).
+    skip_all: `--nonfinite=skip`: a non-finite loss is skipped too.
+    step: the step's number (after it ran).
+
+  Returns:
+    The sums with the step's values added if it counts (applied, with a
+    finite loss); a skipped step counted, and among `skipped_at_end`
+    (reset by an applied one); a bad step's number kept in `first_bad`.
+  """
+  counted = tf.logical_and(applied, loss_ok)
+  new = {k: tf.where(counted, sums[k] + values[k], sums[k])
+         for k in sums if k not in COUNTS}
+  new["applied"] = sums["applied"] + tf.cast(counted, tf.float64)
+  skipped = tf.cast(tf.logical_and(tf.logical_not(applied), may_skip),
+                    tf.float64)
+  new["skipped"] = sums["skipped"] + skipped
+  new["skipped_at_end"] = tf.where(applied, tf.constant(0.0, tf.float64),
+                                   sums["skipped_at_end"] + skipped)
+  bad = tf.logical_or(
+      tf.logical_and(tf.logical_not(applied), not may_skip),
+      tf.logical_and(tf.logical_not(loss_ok), not skip_all))
+  new["first_bad"] = tf.where(
+      bad, tf.minimum(sums["first_bad"], tf.cast(step, tf.float64)),
+      sums["first_bad"])
+  return new
+
+
+def sums_row(sums, keys: Sequence[str]) -> tf.Tensor:
+  """A replica's sums as one float64 row [1, keys + COUNTS], to gather."""
+  return tf.stack([tf.cast(sums[k], tf.float64) for k in keys]
+                  + [sums[k] for k in COUNTS])[None]
+
+
+class LoopSums:
+  """Means over applied steps, from a loop's gathered rows, on the host.
+
+  Built from the rows [replicas, keys + COUNTS] of one loop: each replica's
+  sums are divided by the steps it counted, then shares are summed over
+  replicas and means averaged. `add` merges the loops of a `train` call,
+  weighting each mean by the applied steps of the loops that have it.
+
+  Attributes:
+    applied, skipped: steps counted (applied, finite loss) and skipped.
+    skipped_at_end: skipped steps since the last applied one.
+    first_bad: the first bad step of any replica, or NO_STEP.
+  """
+
+  def __init__(self, share_keys: Sequence[str] = (),
+               mean_keys: Sequence[str] = (),
+               rows: Optional[np.ndarray] = None):
+    self._weighted: Dict[str, float] = {}  # Sum of mean x applied steps.
+    self._weights: Dict[str, int] = {}  # Applied steps behind each sum.
+    self.applied = self.skipped = self.skipped_at_end = 0
+    self.first_bad = NO_STEP
+    if rows is None:
+      return
+    share_keys, keys = tuple(share_keys), tuple(share_keys) + tuple(mean_keys)
+    counts = dict(zip(COUNTS, rows[:, len(keys):].T))
+    counted = counts["applied"]
+    self.applied = int(counted[0])
+    self.skipped = int(counts["skipped"][0])
+    self.skipped_at_end = int(counts["skipped_at_end"][0])
+    self.first_bad = int(counts["first_bad"].min())
+    if not self.applied:
+      return
+    per_step = rows[:, :len(keys)] / np.maximum(counted, 1)[:, None]
+    n = len(share_keys)
+    means = dict(zip(share_keys, per_step[:, :n].sum(axis=0)))
+    means.update(zip(keys[n:], per_step[:, n:].mean(axis=0)))
+    for k, v in means.items():
+      self._weighted[k] = float(v) * self.applied
+      self._weights[k] = self.applied
+
+  def add(self, other: "LoopSums", keys: Sequence[str]) -> None:
+    """Adds a later loop's `keys` (those it has) and counts."""
+    for k in keys:
+      if k in other._weights:  # pylint: disable=protected-access
+        self._weighted[k] = self._weighted.get(k, 0.0) + other._weighted[k]  # pylint: disable=protected-access
+        self._weights[k] = self._weights.get(k, 0) + other._weights[k]  # pylint: disable=protected-access
+    self.skipped_at_end = (other.skipped_at_end if other.applied
+                           else self.skipped_at_end + other.skipped)
+    self.applied += other.applied
+    self.skipped += other.skipped
+    self.first_bad = min(self.first_bad, other.first_bad)
+
+  def means(self) -> Dict[str, float]:
+    """Each value's mean over the applied steps; empty if no step was
+    applied (a skipped step never reports a loss of 0)."""
+    return {k: v / self._weights[k] for k, v in self._weighted.items()}

@@ -13,8 +13,11 @@ N = 96  # Examples; a multiple of the global batch, so one epoch = 4 steps.
 GLOBAL_BATCH = 24
 
 
-def _per_replica_indices(num_replicas, steps, start_step=0, seed=7):
-  """Runs the real distributed iterator over an index dataset.
+def _per_replica_indices(num_replicas, steps, start_step=0, seed=7,
+                         feed="loop"):
+  """Runs a distributed input over an index dataset: the loop base's
+  (`stream.replica_input` cut by `replica_batches`), or `tf.distribute`'s
+  distributed dataset, which the loop base's must equal.
 
   Returns [step][replica] -> the example indices that replica received.
   """
@@ -22,12 +25,25 @@ def _per_replica_indices(num_replicas, steps, start_step=0, seed=7):
   strategy = strategy_lib.mirrored(devices[:num_replicas])
   x = np.arange(N, dtype=np.int64)
   fn = stream.train_dataset_fn(x, x, GLOBAL_BATCH, seed, start_step)
-  it = iter(strategy.distribute_datasets_from_function(fn))
+  if feed == "loop":
+    it = stream.replica_input(strategy, fn)
+    batches = lambda: stream.replica_batches(strategy, next(it))  # pylint: disable=g-long-lambda
+  else:
+    it = iter(strategy.distribute_datasets_from_function(fn))
+    batches = lambda: next(it)  # pylint: disable=g-long-lambda
   out = []
   for _ in range(steps):
-    xb, _ = next(it)
+    xb, _ = batches()
     out.append([t.numpy() for t in strategy.experimental_local_results(xb)])
   return out
+
+
+def test_the_loops_feed_equals_tf_distribute_replica_by_replica():
+  for replicas in (2, 4):
+    loop = _per_replica_indices(replicas, 5)
+    distributed = _per_replica_indices(replicas, 5, feed="tf.distribute")
+    for a, b in zip(loop, distributed):
+      assert [r.tolist() for r in a] == [r.tolist() for r in b]
 
 
 def test_one_epoch_sees_every_example_exactly_once_across_replicas():

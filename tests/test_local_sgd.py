@@ -221,10 +221,14 @@ def test_non_finite_step_is_not_applied_and_named(small_config):
   trainer = _trainer(small_config(**LOCAL, dataset="test_nan_local_sgd",
                                   sync_every=2, train_steps=4))
   before = _components(trainer, trainer.replica_model.trainable_variables)
+  synced = _synced(trainer)
   with pytest.raises(NonFiniteError, match="at step 1"):
-    trainer.train(2)
-  assert max_diff(before[0], _components(
-      trainer, trainer.replica_model.trainable_variables)[1]) == 0
+    trainer.train(2)  # Step 2 synchronises what the replicas applied.
+  assert int(trainer.step.numpy()) == 2  # Its replicas could not stop.
+  after = _components(trainer, trainer.replica_model.trainable_variables)
+  for r in range(2):  # No replica applied a step; the sync moved nothing.
+    assert max_diff(before[r], after[r]) == 0, r
+  assert max_diff(_synced(trainer), synced) == 0
   trainer.close()
 
 

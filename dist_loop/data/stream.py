@@ -11,9 +11,14 @@ r-th one. So:
   count, which is what makes 1-device and N-device training equal;
 * resuming at step s is a jump to position s*B, not a replay.
 
-`tf.distribute` calls the dataset function once per input pipeline (worker),
-and hands that pipeline's consecutive batches to its local replicas in order,
-so pipeline w keeps replicas [w*L, (w+1)*L) of every step.
+Each training process reads one input pipeline: pipeline w yields the
+batches of its L local replicas one after the other, replicas [w*L, (w+1)*L)
+of every step. `replica_input` stacks them per step on the host, and
+`replica_batches` gives each replica its own inside the traced step, which
+is what `tf.distribute`'s distributed datasets do, minus their per-device
+iterators: those do not inherit a dataset's options, so tf.data autotunes
+them, and freeing an autotuned iterator can wait up to a minute (see
+`_fixed`). Every iterator here has autotuning off.
 """
 
 import numpy as np
@@ -39,10 +44,14 @@ def _fixed(ds: tf.data.Dataset) -> tf.data.Dataset:
   """`ds` without tf.data's autotuning model.
 
   Its optimisation thread sleeps up to 60 s between rounds, and freeing an
-  iterator waits for it, so closing a run's input could take a minute. The
-  pipeline is a gather per batch; the AUTOTUNE values still fall back to
-  TensorFlow's defaults (parallel calls up to the cores, a prefetch buffer
-  that grows when it runs dry). The examples and their order are the same.
+  iterator cancels it and waits for it. The cancellation's wake-up can be
+  missed: TensorFlow marks the iterator cancelled only after running the
+  callback that wakes the thread, which may look first, find it not yet
+  cancelled and sleep out its round; so closing a run's input could take a
+  minute per iterator. The pipeline is a gather per batch; the AUTOTUNE
+  values still fall back to TensorFlow's defaults (parallel calls up to the
+  cores, a prefetch buffer that grows when it runs dry). The examples and
+  their order are the same.
   """
   options = tf.data.Options()
   options.autotune.enabled = False
@@ -76,6 +85,56 @@ def train_dataset_fn(x: np.ndarray, y: np.ndarray, global_batch_size: int,
     return _fixed(ds.prefetch(tf.data.AUTOTUNE))
 
   return dataset_fn
+
+
+def pipeline_id(cluster) -> int:
+  """The input pipeline of a training process of `cluster` (a `Cluster`):
+  the chief's is 0 and worker i's is i plus the number of chiefs, as
+  MultiWorkerMirroredStrategy numbers workers, and so their replicas."""
+  if cluster.task_type in (None, "chief"):
+    return 0
+  return cluster.task_index + len(cluster.spec.get("chief", ()))
+
+
+def replica_input(strategy: tf.distribute.Strategy, dataset_fn,
+                  pipeline: int = 0):
+  """The iterator of this process's input under `strategy`: each element
+  stacks its local replicas' batches of one step on the host.
+
+  Args:
+    strategy: the strategy whose replicas train.
+    dataset_fn: `fn(tf.distribute.InputContext) -> Dataset` (as
+      `train_dataset_fn` returns).
+    pipeline: this process's input pipeline (`pipeline_id`).
+  """
+  local = len(strategy.extended.worker_devices)
+  replicas = strategy.num_replicas_in_sync
+  context = tf.distribute.InputContext(
+      num_input_pipelines=replicas // local, input_pipeline_id=pipeline,
+      num_replicas_in_sync=replicas)
+  with tf.device(_host(strategy)):
+    return iter(dataset_fn(context).batch(local, drop_remainder=True))
+
+
+def replica_batches(strategy: tf.distribute.Strategy, stacked):
+  """An element of `replica_input`, in a traced step, as `strategy.run`
+  takes it: each replica's own batch. Replica ids run on within a process,
+  so a replica's row is its id modulo the local replicas. The rows are cut
+  on the host, so only a replica's own batch travels to its device."""
+  local = len(strategy.extended.worker_devices)
+
+  def row(context):
+    with tf.device(_host(strategy)):
+      return tf.nest.map_structure(
+          lambda t: t[context.replica_id_in_sync_group % local], stacked)
+
+  return strategy.experimental_distribute_values_from_function(row)
+
+
+def _host(strategy: tf.distribute.Strategy) -> str:
+  """The CPU of the process that runs `strategy`'s local replicas."""
+  device = tf.DeviceSpec.from_string(strategy.extended.worker_devices[0])
+  return device.replace(device_type="CPU", device_index=0).to_string()
 
 
 def eval_dataset(x: np.ndarray, y: np.ndarray, batch_size: int) -> tf.data.Dataset:

@@ -43,7 +43,10 @@ class Trainer(abc.ABC):
     model: the `keras.Sequential` holding the master variables; evaluation
       and checkpoints read it.
     optimizer: the optimizer whose slots are checkpointed.
-    step: int64 `tf.Variable`, the number of steps so far.
+    step: int64 `tf.Variable`, the number of steps so far. A step moves it
+      by one and applies one update, unless the step is skipped (its
+      update was not applied: `train/skipped_steps`). In async and ps it
+      counts applied updates only: a push they do not apply is no step.
     loss_scale: the float16 `DynamicLossScale`, or None.
     is_chief: whether this process writes summaries, summary.json,
       flags.txt and the kept checkpoints.
@@ -178,10 +181,15 @@ def train_metrics(task: tasks.Task, means: Dict[str, float], *,
     task: the run's task; its `report` turns the means of its metrics into
       what a user reads (a language model adds `bits_per_byte`).
     means: per-update means over the call's *applied* updates: the task's
-      metrics, `grad_norm` (the norm of the update's reduced gradient, in
-      every mode that reduces one) and any mode-specific value. Empty when
-      no update was applied: then the call reports no loss, never a 0.
-    skipped: steps that advanced the counter without applying their update.
+      metrics, `grad_norm` and any mode-specific value. `grad_norm` is the
+      norm of the gradient the update applied: reduced over replicas,
+      micro-batches or stages, unscaled, before any learning-rate factor
+      (async: one worker's, after delay compensation); local SGD applies
+      no single gradient and reports `local_sgd/replica_grad_norm`
+      instead. Empty when no update was applied: then the call reports
+      no loss, never a 0.
+    skipped: steps that advanced the counter without applying their update
+      (always 0 in async and ps, whose counter counts applied updates).
     skipped_at_end: of those, the ones after the call's last applied update
       (all of them if none was applied): the controller stops a run that
       keeps skipping.

@@ -9,34 +9,32 @@ variable and optional `strategy` in `__init__`, and implements
 the rest, written once:
 
 1. **The input.** Built on first use from the step the run is at, so a
-   resume or a rollback jumps to its position (`data/stream.py`), and
-   handed to the replicas by the strategy (`make_iterator`). `close` and
-   `on_restore` drop it (`_drop_input`).
-2. **The traced loop** (`_loop_fn`): `n` steps in one `tf.function` call.
-   Each step runs `replica_step` on every replica (`run_replicas`:
-   `strategy.run`, or a direct call for a mode without a strategy), then
-   advances the step counter, then calls `after_step` (local SGD's
-   synchronisation every H steps).
+   resume or a rollback jumps to its position; read on the host and cut
+   per replica in the traced step (`data/stream.py`, `make_iterator`).
+   `close` and `on_restore` drop it (`_drop_input`).
+2. **The traced loop** (`_loop_fn`): `n` steps per `tf.function` call.
+   A step runs `replica_step` on every replica (`run_replicas`), advances
+   the step counter, then calls `after_step` (local SGD's sync every H).
 3. **The metrics cross the network once per loop.** Each replica sums its
    own step results; one all-gather at the end of the loop brings every
-   replica's sums to every replica. Per step, only the update itself
-   communicates (and, with `--max_loss`, one scalar: the step's loss).
+   replica's sums to every replica (`step.py`: `add_step`, `LoopSums`).
+   Per step, only the update itself communicates (and a scalar, the
+   step's loss, where 4 needs it).
 4. **Bad steps.** A step whose update was not applied (non-finite
    gradients) is skipped if the run allows it (`--nonfinite=skip`, or a
-   float16 loss-scale overflow) and otherwise ends the loop; so does a step
-   whose loss is above `--max_loss`. `train` raises `NonFiniteError` naming
-   the step. A mode whose replicas do not agree on an update (local SGD:
-   each applies its own) cannot stop them mid-loop, so its bad steps are
-   reported when the loop ends.
+   float16 loss-scale overflow of a finite loss) and otherwise ends the
+   loop, as does a loss above `--max_loss`; `train` raises
+   `NonFiniteError` naming the step. Every replica must end the loop at the
+   same step (one that left early would leave the others waiting in a
+   collective), so the loop decides from values all replicas share:
+   `applied` (it follows the update's all-reduce) and the step's loss
+   summed over replicas, reduced only with `--max_loss` and, under a loss
+   scale, on a step not applied. A mode whose replicas each apply their
+   own update (local SGD) cannot stop them, so its bad steps are reported
+   when the loop ends; so is a replica's non-finite loss in a step whose
+   update was applied.
 5. **The metric tail** (`base.train_metrics`): means over applied steps,
    the task's report, the `train/` names.
-
-What a step returns (`StepResult`): `shares`, this replica's share of each
-task metric (`step.shares`: summed over replicas they are the update's
-mean); `means`, values every replica reports on its own and that are
-averaged over replicas (`grad_norm`: the norm of the reduced gradient, the
-same on every replica); `applied`; and a `carry` kept from the last step
-(the pipeline's timestamps).
 
 `variant` names one traced loop among several a mode may run (`segments`
 splits a call among them): the pipeline's timed and untimed steps, sync's
@@ -45,34 +43,34 @@ exact warm-up before a compressor starts. Modes with one loop ignore it.
 
 import abc
 import dataclasses
-from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Hashable, List, Optional, Tuple
 
 import numpy as np
 import tensorflow as tf
 
 from dist_loop import step as step_core
-from dist_loop.data import train_dataset_fn
+from dist_loop.data import stream, train_dataset_fn
 from dist_loop.errors import NonFiniteError
 from dist_loop.modes.base import Trainer, train_metrics
 
 Variant = Optional[Hashable]
-_NO_STEP = 2**53  # "No bad step": beyond any step, exact in float64.
-# After the sums, each replica's row of `_gather` holds these counts.
-_COUNTS = ("applied", "skipped", "skipped_at_end", "first_bad")
 
 
 @dataclasses.dataclass
 class StepResult:
-  """One replica's view of one step (see the module docstring).
+  """One replica's view of one step.
 
   Attributes:
     shares: this replica's share of each of the task's metrics, `loss`
-      among them (float32 scalars; summed over replicas: the update's mean).
+      among them (float32 scalars, `step.shares`; summed over replicas:
+      the update's mean).
     applied: bool scalar: the update was applied. In a mode whose replicas
       apply one update together, the same on every replica.
-    means: float32 scalars averaged over replicas (and over steps), at
-      least those `mean_keys` names.
-    carry: any nest of tensors kept from the last step that ran.
+    means: float32 scalars each replica reports on its own, averaged over
+      replicas (and over steps), at least those `mean_keys` names
+      (`grad_norm`: the norm of the reduced gradient).
+    carry: any nest of tensors kept from the last step that ran (the
+      pipeline's timestamps).
   """
 
   shares: Dict[str, tf.Tensor]
@@ -127,6 +125,7 @@ class LoopTrainer(Trainer):
     return [(num_steps, None)]
 
   def initial_carry(self, variant: Variant):
+    """The carry before a loop's first step (`StepResult.carry`)."""
     del variant
     return ()
 
@@ -140,11 +139,14 @@ class LoopTrainer(Trainer):
     state back into the replicas)."""
 
   def make_iterator(self, dataset_fn):
-    """The iterator of the training input: one global batch per `next`,
-    split over the strategy's replicas if there is one."""
-    if self.strategy is not None:
-      return iter(self.strategy.distribute_datasets_from_function(dataset_fn))
-    return iter(dataset_fn(tf.distribute.InputContext()))
+    """The iterator of this process's training input, read once per step
+    by the traced loop: the step's batch, or with a strategy the local
+    replicas' batches stacked (`data/stream.py: replica_input`), which
+    the loop hands to the replicas (`replica_batches`)."""
+    if self.strategy is None:
+      return iter(dataset_fn(tf.distribute.InputContext()))
+    return stream.replica_input(self.strategy, dataset_fn,
+                                stream.pipeline_id(self.cluster))
 
   def run_replicas(self, fn, *args):
     """`fn(*args)` on every replica (`strategy.run`), or once."""
@@ -162,22 +164,22 @@ class LoopTrainer(Trainer):
   def train(self, num_steps: int) -> Dict[str, float]:
     self.before_train()
     iterator = self._input()
-    totals = _Totals()
+    totals = step_core.LoopSums()
     for count, variant in self.segments(int(self.step.numpy()), num_steps):
-      sums, bad_step, carry = self._loop(variant)(
+      rows, bad_step, carry = self._loop(variant)(
           iterator, tf.constant(count, tf.int64))
-      part = _Totals(self.task.metric_names, self.mean_keys(variant),
-                     np.asarray(sums))
+      part = step_core.LoopSums(self.task.metric_names,
+                                self.mean_keys(variant), np.asarray(rows))
       totals.add(part, keys=self.task.metric_names + self.reported_means)
-      bad = [s for s in (int(bad_step), part.first_bad) if 0 <= s < _NO_STEP]
+      bad = [s for s in (int(bad_step), part.first_bad)
+             if 0 <= s < step_core.NO_STEP]
       if bad:
         raise NonFiniteError(min(bad))
       if part.applied:
         self.on_segment(variant, part.means(),
                         tf.nest.map_structure(np.asarray, carry))
-    extra = {}
-    if self.loss_scale is not None:
-      extra["loss_scale"] = float(self.loss_scale.scale.numpy())
+    extra = ({} if self.loss_scale is None else
+             {"loss_scale": float(self.loss_scale.scale.numpy())})
     return train_metrics(self.task, totals.means(), skipped=totals.skipped,
                          skipped_at_end=totals.skipped_at_end, extra=extra)
 
@@ -185,7 +187,7 @@ class LoopTrainer(Trainer):
     self._drop_input()  # Rebuilt from the restored step.
 
   def close(self) -> None:
-    self._drop_input()
+    self._drop_input()  # Bounded: its tf.data threads only need stopping.
 
   def _input(self):
     """The training iterator, built on first use from the current step."""
@@ -197,9 +199,7 @@ class LoopTrainer(Trainer):
     return self._iterator
 
   def _drop_input(self) -> None:
-    # Freed now, while its threads can still finish: destroyed at
-    # interpreter exit a multi-device iterator can block for minutes.
-    self._iterator = None
+    self._iterator = None  # Freed now, not at interpreter exit.
 
   def _loop(self, variant: Variant):
     if variant not in self._loops:
@@ -210,70 +210,66 @@ class LoopTrainer(Trainer):
 
   def _loop_fn(self, iterator, num_steps, variant):
     self.trace_counts[variant] += 1  # Python side effect: once per trace.
-    keys = self._sum_keys(variant)
+    keys = tuple(self.task.metric_names) + tuple(self.mean_keys(variant))
+    # A step not applied is skipped, not bad, under a loss scale (an
+    # overflow) or --nonfinite=skip (which skips any bad step).
     skip_all = self.config.nonfinite == "skip"
     may_skip = skip_all or self.loss_scale is not None
     max_loss = self.config.max_loss
 
-    def replica(batch, totals):
+    def replica(batch, sums):
       out = self.replica_step(batch, variant)
       loss = out.shares["loss"]
-      loss_ok = tf.math.is_finite(loss)
-      counted = tf.logical_and(out.applied, loss_ok)
-      values = {**out.shares, **out.means}
-      new = {k: tf.where(counted, totals[k] + values[k], totals[k])
-             for k in keys}
-      new["applied"] = totals["applied"] + tf.cast(counted, tf.float64)
-      skipped = tf.logical_and(tf.logical_not(out.applied), may_skip)
-      new["skipped"] = totals["skipped"] + tf.cast(skipped, tf.float64)
-      new["skipped_at_end"] = tf.where(
-          out.applied, tf.constant(0.0, tf.float64),
-          totals["skipped_at_end"] + tf.cast(skipped, tf.float64))
-      bad = tf.logical_or(
-          tf.logical_and(tf.logical_not(out.applied), not may_skip),
-          tf.logical_and(tf.logical_not(loss_ok), not skip_all))
-      this_step = tf.cast(tf.convert_to_tensor(self.step) + 1, tf.float64)
-      new["first_bad"] = tf.where(
-          bad, tf.minimum(totals["first_bad"], this_step),
-          totals["first_bad"])
+      sums = step_core.add_step(
+          sums, {**out.shares, **out.means}, applied=out.applied,
+          loss_ok=tf.math.is_finite(loss), may_skip=may_skip,
+          skip_all=skip_all, step=tf.convert_to_tensor(self.step) + 1)
       if max_loss:  # The step's loss over all replicas: one scalar.
         loss = self._sum_over_replicas(loss)
-      return new, out.applied, loss, out.carry
+      return sums, out.applied, loss, out.carry
 
-    totals = self.run_replicas(lambda: self._zeros(keys))
+    sums = self.run_replicas(lambda: step_core.zero_sums(keys))
     carry = self.initial_carry(variant)
     bad_step = tf.constant(-1, tf.int64)
     for _ in tf.range(num_steps):
-      totals, applied, loss, new_carry = self.run_replicas(
-          replica, next(iterator), totals)
+      batch = next(iterator)
+      if self.strategy is not None:  # Each replica's own.
+        batch = stream.replica_batches(self.strategy, batch)
+      sums, applied, loss, new_carry = self.run_replicas(replica, batch, sums)
       self.step.assign_add(1)
       self.after_step()
-      applied, loss = self._first((applied, loss))
-      stop = step_core.above_bound(loss, max_loss)
-      if self.replicas_agree and not may_skip:
-        stop = tf.logical_or(stop, tf.logical_not(applied))
-      if stop:
+      if self._ends_loop(self._first(applied), loss, skip_all, may_skip):
         bad_step = self.step.read_value()
         break
       carry = self._first(new_carry)
-    sums = self._first(self.run_replicas(self._gather, totals, keys))
-    return sums, bad_step, carry
+    rows = self._first(self.run_replicas(self._gather, sums, keys))
+    return rows, bad_step, carry
 
-  def _sum_keys(self, variant: Variant) -> Tuple[str, ...]:
-    return tuple(self.task.metric_names) + tuple(self.mean_keys(variant))
+  def _ends_loop(self, applied, loss, skip_all: bool, may_skip: bool):
+    """Whether the step just run ends the loop, from values every replica
+    shares (module docstring, 4); `loss` is each replica's (summed with
+    --max_loss). Python False when nothing can end it: no op is traced."""
+    max_loss = self.config.max_loss
+    total = None  # The step's loss over all replicas, where it is known.
+    if max_loss:
+      total = self._first(loss)
+    elif self.replicas_agree and may_skip and not skip_all:
+      # Not applied under a loss scale: an overflow if the loss was finite
+      # on every replica, else bad. Applied steps reduce nothing.
+      total = tf.cond(applied, lambda: tf.constant(0.0),
+                      lambda: self._reduce_over_replicas(loss))
+    stop = step_core.above_bound(total, max_loss) if max_loss else False
+    if not self.replicas_agree:
+      return stop
+    if not may_skip:
+      stop = tf.logical_or(stop, tf.logical_not(applied))
+    if total is not None and not skip_all:
+      stop = tf.logical_or(stop, tf.logical_not(tf.math.is_finite(total)))
+    return stop
 
-  @staticmethod
-  def _zeros(keys: Sequence[str]) -> Dict[str, tf.Tensor]:
-    totals = {k: tf.constant(0.0) for k in keys}
-    zero = tf.constant(0.0, tf.float64)
-    totals.update(applied=zero, skipped=zero, skipped_at_end=zero,
-                  first_bad=tf.constant(float(_NO_STEP), tf.float64))
-    return totals
-
-  def _gather(self, totals, keys):
+  def _gather(self, sums, keys):
     """Every replica's sums as rows of one matrix: one collective."""
-    row = tf.stack([tf.cast(totals[k], tf.float64) for k in keys]
-                   + [totals[k] for k in _COUNTS])[None]
+    row = step_core.sums_row(sums, keys)
     if self.strategy is None:
       return row
     # A fresh tensor on the replica's device: a loop's output may have
@@ -282,10 +278,18 @@ class LoopTrainer(Trainer):
         tf.identity(row), axis=0)
 
   def _sum_over_replicas(self, value):
+    """In replica context: `value` summed over the replicas."""
     if self.strategy is None:
       return value
-    return tf.distribute.get_replica_context().all_reduce(
-        tf.distribute.ReduceOp.SUM, value)
+    context = tf.distribute.get_replica_context()
+    return context.all_reduce(tf.distribute.ReduceOp.SUM, value)
+
+  def _reduce_over_replicas(self, value):
+    """In cross-replica context (where, unlike in the replica function, a
+    collective may sit in a `tf.cond`): the per-replica `value` summed."""
+    if self.strategy is None:
+      return value
+    return self.strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None)
 
   def _first(self, values):
     """The first replica's value of each (per-replica) value."""
@@ -294,57 +298,3 @@ class LoopTrainer(Trainer):
     return tf.nest.map_structure(
         lambda v: self.strategy.experimental_local_results(v)[0], values)
 
-
-class _Totals:
-  """Sums over applied steps, combined on the host.
-
-  Built from a loop's gathered matrix [replicas, keys + counts] (`_gather`):
-  each replica's sums are divided by the steps it counted, then shares are
-  summed over replicas and means averaged. `add` merges the segments of a
-  call, weighting each by its applied steps.
-  """
-
-  def __init__(self, share_keys: Sequence[str] = (),
-               mean_keys: Sequence[str] = (),
-               rows: Optional[np.ndarray] = None):
-    self._weighted: Dict[str, float] = {}  # Sum of mean x applied steps.
-    self.applied = 0
-    self.skipped = 0
-    self.skipped_at_end = 0  # Skipped steps since the last applied one.
-    self.first_bad = _NO_STEP
-    self._means: Dict[str, float] = {}
-    if rows is None:
-      return
-    share_keys, keys = tuple(share_keys), tuple(share_keys) + tuple(mean_keys)
-    counts = dict(zip(_COUNTS, rows[:, len(keys):].T))
-    counted = counts["applied"]
-    self.applied = int(counted[0])
-    self.skipped = int(counts["skipped"][0])
-    self.skipped_at_end = int(counts["skipped_at_end"][0])
-    self.first_bad = int(counts["first_bad"].min())
-    per_step = rows[:, :len(keys)] / np.maximum(counted, 1)[:, None]
-    n = len(share_keys)
-    self._means = dict(zip(share_keys, per_step[:, :n].sum(axis=0)))
-    self._means.update(zip(keys[n:], per_step[:, n:].mean(axis=0)))
-    self._means = {k: float(v) for k, v in self._means.items()}
-
-  def add(self, other: "_Totals", keys: Sequence[str]) -> None:
-    """Adds a segment's `keys` (those it has)."""
-    for k in keys:
-      if k in other._means:  # pylint: disable=protected-access
-        self._weighted[k] = (self._weighted.get(k, 0.0)
-                             + other._means[k] * other.applied)  # pylint: disable=protected-access
-    self.skipped_at_end = (other.skipped_at_end if other.applied
-                           else self.skipped_at_end + other.skipped)
-    self.applied += other.applied
-    self.skipped += other.skipped
-    self.first_bad = min(self.first_bad, other.first_bad)
-
-  def means(self) -> Dict[str, float]:
-    """The segment's means, or a call's over its applied steps; empty if no
-    step was applied (a skipped step never reports a loss of 0)."""
-    if self._means:
-      return dict(self._means) if self.applied else {}
-    if not self.applied:
-      return {}
-    return {k: v / self.applied for k, v in self._weighted.items()}

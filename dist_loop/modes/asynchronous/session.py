@@ -56,9 +56,11 @@ class Tally:
     self.taus.add([outcome.tau])
 
   def means(self) -> Dict[str, float]:
-    """The task's metrics and the gradient norm, averaged over the applied
-    updates."""
-    n = max(self.applied, 1)
+    """The task's metrics and the norm of each applied update's gradient,
+    averaged over the applied updates; empty if none was applied."""
+    if not self.applied:
+      return {}
+    n = self.applied
     return {**{k: v / n for k, v in self.sums.items()},
             "grad_norm": self.grad_norm / n}
 

@@ -32,7 +32,8 @@ from dist_loop.modes.asynchronous.applier import Applier
 from dist_loop.modes.asynchronous.options import AsyncOptions
 from dist_loop.modes.asynchronous.session import Session
 from dist_loop.modes.asynchronous.worker import Worker
-from dist_loop.modes.base import MODES, Report, Reporting, Trainer
+from dist_loop.modes.base import (MODES, Report, Reporting, Trainer,
+                                  train_metrics)
 
 
 @MODES.register("async")
@@ -129,13 +130,11 @@ class AsyncTrainer(Trainer, Reporting):
       self._end_session()  # The next `train` follows a rollback.
       raise NonFiniteError(tally.bad_step)
     self._since_report.merge(tally.taus)
-    means = tally.means()
-    task_means = {k: means.pop(k) for k in self.task.metric_names}
-    metrics = {f"train/{k}": v for k, v in
-               {**self.task.report(task_means), **means}.items()}
-    metrics["train/skipped_steps"] = 0.0  # Only applied updates are steps.
-    if self.loss_scale is not None:
-      metrics["train/loss_scale"] = self.applier.current_loss_scale
+    # Only applied updates are steps, so no step is ever skipped: a skipped
+    # push (float16 overflow) is `async/skipped_pushes`.
+    extra = ({"loss_scale": self.applier.current_loss_scale}
+             if self.loss_scale is not None else {})
+    metrics = train_metrics(self.task, tally.means(), extra=extra)
     metrics.update(tally.taus.scalars("async"))
     metrics["async/drops_per_update"] = tally.dropped / max(tally.applied, 1)
     for w, before in zip(self.workers, worker_steps):
@@ -154,10 +153,12 @@ class AsyncTrainer(Trainer, Reporting):
                          + ", ".join(alive))
 
   def close(self) -> None:
-    """Stops every thread (bounded; a thread that outlives it is logged).
-    Safe to call twice."""
+    """Stops every thread (bounded; a thread that outlives it is logged),
+    then frees the workers' input. Safe to call twice."""
     self._closed = True
-    self._end_session()
+    if not self._end_session():  # A live thread may still be reading.
+      for w in self.workers:
+        w.stop_input()
 
   def _end_session(self) -> List[str]:
     """Stops the threads; returns the names of any still running."""

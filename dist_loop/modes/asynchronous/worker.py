@@ -95,6 +95,11 @@ class Worker:
                                      num_replicas_in_sync=self.num_workers)
     self._iterator = iter(fn(ctx))
 
+  def stop_input(self) -> None:
+    """Frees this worker's input now (its tf.data threads stop; without
+    autotuning, see `data/stream.py`, nothing waits longer)."""
+    self._iterator = None
+
   def trace(self) -> None:
     """Traces the step now (call after `start_input`), so that the threads
     start computing at once instead of tracing side by side."""

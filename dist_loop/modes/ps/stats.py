@@ -11,8 +11,9 @@ The layout:
 
 float64 counts are exact up to 2**53. The last bin counts every larger tau
 as MAX_TRACKED, in the mean and max too. On the chief, a `Record` turns the
-vector into counts, a `staleness.Histogram` and means, and `Totals` keeps
-what the run reports beyond one `train` call.
+vector into counts, a `staleness.Histogram` and means, `call_metrics` into
+what `train` returns, and `Totals` keeps what the run reports beyond one
+`train` call.
 """
 
 import dataclasses
@@ -22,6 +23,7 @@ import numpy as np
 import tensorflow as tf
 
 from dist_loop import staleness
+from dist_loop.modes.base import train_metrics
 
 # applied: the update was applied (and counted in `step`); dropped: staler
 # than --max_staleness; skipped: a float16 overflow; nonfinite: a real
@@ -39,9 +41,10 @@ class Record:
   sums: Dict[str, float]
 
   def means(self) -> Dict[str, float]:
-    """Each sum over the applied updates, divided by their number."""
-    n = max(self.counts["applied"], 1)
-    return {k: v / n for k, v in self.sums.items()}
+    """Each sum over the applied updates, divided by their number; empty
+    if none was applied."""
+    n = self.counts["applied"]
+    return {k: v / n for k, v in self.sums.items()} if n else {}
 
 
 class Layout:
@@ -80,6 +83,20 @@ class Layout:
         counts={k: int(v) for k, v in zip(COUNTS, counts)},
         staleness=histogram,
         sums=dict(zip(self.sums, vector[-len(self.sums):].tolist())))
+
+
+def call_metrics(task, record: Record, loss_scale=None) -> Dict[str, float]:
+  """What the chief's `train` returns: the metric tail every mode shares
+  (`base.train_metrics`) over the call's applied updates, and the drops.
+
+  A skipped push (float16 overflow) does not advance `step`, so it is not a
+  step: `train/skipped_steps` is always 0 (`ps/skipped_pushes` counts them).
+  """
+  extra = {"ps/drops_per_update": (record.counts["dropped"]
+                                   / max(record.counts["applied"], 1))}
+  if loss_scale is not None:
+    extra["loss_scale"] = float(loss_scale.scale.numpy())
+  return train_metrics(task, record.means(), extra=extra)
 
 
 class Totals:

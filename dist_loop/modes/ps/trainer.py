@@ -148,6 +148,12 @@ class PSTrainer(Trainer, Reporting):
   def scope(self):
     return self.strategy.scope()
 
+  def close(self) -> None:
+    # Released now, not at interpreter exit. The iterators run on the
+    # workers with autotuning off (`data/stream.py`), so freeing one there
+    # only stops its tf.data threads.
+    self._iterator = None
+
   # -- on a worker: up to K steps per scheduled call --
 
   def _dataset_fn(self):
@@ -225,22 +231,11 @@ class PSTrainer(Trainer, Reporting):
         raise NonFiniteError(int(self.step.numpy()) + 1)
       step = int(self.step.numpy())
     self.totals.add(record)
-    return self._metrics(record)
+    return stats_lib.call_metrics(self.task, record, self.loss_scale)
 
   def _wait(self, step: int) -> None:
     wait_for_round(self.coordinator, self.config.collective_timeout_s, step,
                    self.num_workers)
-
-  def _metrics(self, record: stats_lib.Record) -> Dict[str, float]:
-    """The means over this call's applied updates."""
-    metrics = {f"train/{k}": v for k, v in record.means().items()}
-    # A skipped push (float16 overflow) does not advance `step`: not a step.
-    metrics["train/skipped_steps"] = 0.0
-    metrics["ps/drops_per_update"] = (record.counts["dropped"]
-                                      / max(record.counts["applied"], 1))
-    if self.loss_scale is not None:
-      metrics["train/loss_scale"] = float(self.loss_scale.scale.numpy())
-    return metrics
 
   def _applied(self) -> int:
     """Updates applied since this process first trained (exact)."""
