@@ -7,6 +7,8 @@ here directly; end to end, a run that diverges (Adam at a learning rate of
 not honour the flag.
 """
 
+import json
+import os
 import types
 
 import numpy as np
@@ -15,7 +17,7 @@ import tensorflow as tf
 
 from dist_loop import optim, staleness, train
 from dist_loop import step as step_lib
-from dist_loop.errors import NonFiniteError, UserError
+from dist_loop.errors import DivergedError, NonFiniteError, UserError
 from dist_loop.modes import MODES
 from dist_loop.modes.asynchronous.applier import Applier
 from dist_loop.modes.asynchronous.worker import Push
@@ -112,10 +114,17 @@ def test_max_loss_stops_a_diverging_run_or_is_refused(small_config, mode):
   assert e.value.step == 2
 
 
-def test_without_max_loss_a_diverging_run_succeeds(small_config):
-  summary = train.run(small_config(optimizer="adam", learning_rate=1e9,
-                                   train_steps=4, steps_per_loop=2))
+def test_without_max_loss_a_diverging_run_ends_as_diverged(small_config):
+  """No --max_loss: the run trains to its end, saves, and then exits 3."""
+  cfg = small_config(optimizer="adam", learning_rate=1e9, train_steps=4,
+                     steps_per_loop=2)
+  with pytest.raises(DivergedError, match="the run diverged") as raised:
+    train.run(cfg)
+  summary = raised.value.summary
   assert summary["final_step"] == 4 and summary["train_loss"] > 1e3
+  assert summary["diverged"]
+  with open(os.path.join(cfg.workdir, "summary.json")) as f:
+    assert json.load(f)["final_step"] == 4
 
 
 def test_max_loss_refuses_skip(small_config):

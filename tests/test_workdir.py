@@ -19,7 +19,7 @@ import sys
 import pytest
 
 from conftest import REPO, run_main, run_train
-from dist_loop import controller as controller_lib
+from dist_loop.actions import summary as summary_action
 from dist_loop import train, workdir
 from dist_loop.errors import UserError
 
@@ -199,9 +199,9 @@ def test_a_summary_that_cannot_be_written_keeps_the_checkpoint(
     del data
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
 
-  monkeypatch.setattr(controller_lib, "atomic_write_json", full_disk)
+  monkeypatch.setattr(summary_action, "atomic_write_json", full_disk)
   cfg = small_config(train_steps=4, steps_per_loop=2, checkpoint_every=4)
-  with pytest.raises(UserError, match="checkpoint of step 4 is saved"):
+  with pytest.raises(UserError, match="newest checkpoint, of step 4, is saved"):
     train.run(cfg)
   assert os.path.exists(os.path.join(cfg.workdir, "checkpoints",
                                      "ckpt-4.index"))
