@@ -67,7 +67,7 @@ if f"{job}:{index}" == sys.argv[3] and run <= int(sys.argv[2]):
   while time.monotonic() < deadline and not all(map(recorded, others)):
     time.sleep(0.05)
   print("boom", flush=True)
-  sys.exit(3)
+  sys.exit(int(sys.argv[4]) if len(sys.argv) > 4 else 1)
 if job == "ps" or (job == "worker" and "ps" in config["cluster"]):
   time.sleep(60)
 time.sleep(1.0)
@@ -174,10 +174,10 @@ def test_command_without_workdir_needs_log_dir():
   assert "--log_dir" in result.stderr
 
 
-def _launch_failing(workdir, task, fails, *launcher_args):
+def _launch_failing(workdir, task, fails, *launcher_args, code=1):
   return run_launch(*launcher_args, "--", sys.executable, "-c",
                     FAIL_FIRST_RUNS, f"--workdir={workdir}", str(fails), task,
-                    timeout=60)
+                    str(code), timeout=60)
 
 
 def _restart_lines(out):
@@ -196,7 +196,7 @@ def test_max_restarts_restarts_the_whole_cluster_with_the_same_command(
                            "--max_restarts=3")
   assert result.returncode == 0, result.stdout
   assert _restart_lines(result.stdout) == [
-      f"[launch] worker:1 failed (exit code 3); restart {k} of 3: stopping "
+      f"[launch] worker:1 failed (exit code 1); restart {k} of 3: stopping "
       "every task and restarting the cluster (log "
       f"{workdir / 'logs' / 'worker-1.log'})" for k in (1, 2)]
   # Every task ran three times, on the same cluster (the ports were free).
@@ -212,10 +212,22 @@ def test_after_max_restarts_the_failing_tasks_code_is_the_exit_code(
   workdir = tmp_path / "run"
   result = _launch_failing(workdir, "worker:0", 99, "--num_workers=2",
                            "--max_restarts=1")
-  assert result.returncode == 3, result.stdout
+  assert result.returncode == 1, result.stdout
   assert len(_restart_lines(result.stdout)) == 1
-  assert "worker:0 failed (exit code 3); last lines of" in result.stdout
+  assert "worker:0 failed (exit code 1); last lines of" in result.stdout
   assert len(_runs(workdir, "worker-1")) == 2
+
+
+@pytest.mark.parametrize("code", [2, 3], ids=["bad-input", "diverged"])
+def test_bad_input_and_divergence_are_not_restarted(tmp_path, code):
+  """A restart would fail the same way: the launcher reports it at once."""
+  workdir = tmp_path / "run"
+  result = _launch_failing(workdir, "worker:1", 99, "--num_workers=2",
+                           "--max_restarts=2", code=code)
+  assert result.returncode == code, result.stdout
+  assert not _restart_lines(result.stdout)
+  assert f"worker:1 failed (exit code {code}); last lines of" in result.stdout
+  assert len(_runs(workdir, "worker-1")) == 1
 
 
 def test_a_lost_ps_restarts_a_ps_cluster_and_a_lost_worker_does_not(

@@ -18,6 +18,11 @@ from tools.local_cluster import (Task, available_cpus, cluster_spec,
                                  cpu_sets, wait_for_ports)
 
 STOP_GRACE_S = 10.0  # SIGTERM, then SIGKILL after this.
+# Exit codes a restart cannot change: bad input (2, `errors.UserError`) and
+# a run that ended diverged (3, `errors.DivergedError`) fail the same way
+# again, so the launcher reports them at once instead of retrying.
+FINAL_CODES = (2, 3)
+
 # Before a restart: a task stuck in a collective with a dead peer cannot
 # act on SIGTERM until the collective times out, and nothing is left to save.
 RESTART_GRACE_S = 3.0
@@ -166,7 +171,8 @@ class Launcher:
       failed = self._check_failures()
       if failed is not None:
         task, code = failed
-        if self.restarts < self.max_restarts and not self._interrupted:
+        if (self.restarts < self.max_restarts and not self._interrupted
+            and code not in FINAL_CODES):
           self._restart(task, code)
           continue
         self._report(task, code)
