@@ -122,7 +122,8 @@ def read_events(logdir):
 def run_main(*args):
   """`python -m experiments.train ARGS`, in this process.
 
-  The real flag parsing (with its parse-time checks) and `main`; an absl
+  The real flag parsing (with its parse-time checks) and `main`, with the
+  cluster read from this environment as a new process reads it; an absl
   flag error is printed as absl's `app.run` prints it. Any other exception
   propagates, as a traceback would.
 
@@ -132,8 +133,10 @@ def run_main(*args):
   """
   from absl import flags  # pylint: disable=g-import-not-at-top
   from absl.testing import flagsaver  # pylint: disable=g-import-not-at-top
+  from experiments import flags as run_flags  # pylint: disable=g-import-not-at-top
   from experiments import train as entry  # pylint: disable=g-import-not-at-top
   out, err = io.StringIO(), io.StringIO()
+  run_flags.use_cluster(None)  # Read this environment, as a new process.
   with flagsaver.flagsaver(), contextlib.redirect_stdout(out), \
       contextlib.redirect_stderr(err):
     flags.FLAGS.unparse_flags()

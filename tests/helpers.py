@@ -11,7 +11,18 @@ import numpy as np
 
 from dist_loop import configure, data, devices
 from dist_loop.cluster import Cluster
+from dist_loop.data.base import DATASETS, Dataset
 from dist_loop.modes import build_trainer
+
+NAN_DATASET = "test_nan"  # Every example is NaN: every step is non-finite.
+
+
+@DATASETS.register(NAN_DATASET)
+def _nan_dataset(data_dir, seed, image_size=None):
+  del data_dir, seed, image_size
+  x = np.full((64, 10), np.nan, np.float32)
+  y = np.zeros(64, np.int32)
+  return Dataset(x, y, x[:8], y[:8], 10)
 
 
 def make_trainer(config):

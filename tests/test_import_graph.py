@@ -213,8 +213,6 @@ TESTS = os.path.join(REPO, "tests")
 # belongs in tests/helpers.py. The list may only shrink.
 IMPORTS_FROM_TEST_FILES = {
     ("test_browser", "test_tensorboard"),
-    ("test_multiworker", "test_sync"),
-    ("test_precision", "test_sync"),
     ("test_sync_equivalence", "test_step"),
 }
 

@@ -16,12 +16,12 @@ import pytest
 import tensorflow as tf
 
 from conftest import checkpoint_variables, max_diff
+from helpers import NAN_DATASET
 import dist_loop.modes.local_sgd  # noqa: F401  (registers the mode)
-from dist_loop import checkpoints, configure, data, devices, optim, train
+from dist_loop import checkpoints, configure, data, devices, optim, resume, train
 from dist_loop import step as step_lib
 from dist_loop import strategy as strategy_lib
 from dist_loop.cluster import Cluster
-from dist_loop.data.base import DATASETS, Dataset
 from dist_loop.data.stream import train_dataset_fn
 from dist_loop.errors import NonFiniteError, UserError
 from dist_loop.modes import build_trainer
@@ -187,7 +187,7 @@ def test_resume_mid_period_equals_uninterrupted(small_config, tmp_path):
   manager.save(checkpoint_number=6)
   whole.train(6)
   resumed = make("resumed")  # Other initial weights: all must be restored.
-  assert checkpoints.restore_latest(
+  assert resume.restore_latest(
       checkpoints.manager(resumed.checkpoint_items(), str(tmp_path), 3),
       resumed.scope())
   resumed.train(6)
@@ -209,16 +209,8 @@ def test_gradient_accumulation_equals_the_whole_batch(small_config):
                   synced(global_batch_size=32)) <= 1e-5
 
 
-@DATASETS.register("test_nan_local_sgd")
-def _nan_dataset(data_dir, seed, image_size=None):
-  del data_dir, seed, image_size
-  x = np.full((64, 10), np.nan, np.float32)
-  y = np.zeros(64, np.int32)
-  return Dataset(x, y, x[:8], y[:8], 10)
-
-
 def test_non_finite_step_is_not_applied_and_named(small_config):
-  trainer = _trainer(small_config(**LOCAL, dataset="test_nan_local_sgd",
+  trainer = _trainer(small_config(**LOCAL, dataset=NAN_DATASET,
                                   sync_every=2, train_steps=4))
   before = _components(trainer, trainer.replica_model.trainable_variables)
   synced = _synced(trainer)

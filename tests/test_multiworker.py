@@ -22,7 +22,7 @@ import tensorflow as tf
 from conftest import REPO, run_launch
 from dist_loop import checkpoints, make_config
 from dist_loop.summaries import LOGDIR, TRAIN
-from test_sync import make_trainer, variables
+from helpers import make_trainer, variables
 from tools import launch
 
 # Short enough to wait out after the kill; the restart only needs a bound

@@ -11,7 +11,7 @@ from dist_loop.errors import UserError
 from dist_loop.evaluation import Evaluator
 from dist_loop.modes import MODES, Trainer
 from dist_loop.precision import PRECISIONS, DynamicLossScale
-from test_sync import make_trainer, replica_copies
+from helpers import make_trainer, replica_copies
 
 DIGITS = dict(dataset="digits", model="mlp", optimizer="adam",
               learning_rate=0.01, global_batch_size=64, train_steps=150,

@@ -21,7 +21,7 @@ from dist_loop.cluster import Cluster
 from dist_loop.errors import NonFiniteError, UserError
 from dist_loop.sharding import accounting, layout
 from experiments.extensions import single_device  # pylint: disable=unused-import
-from test_sync import make_trainer, variables
+from helpers import NAN_DATASET, make_trainer, variables
 
 STAGES = ("optimizer", "gradients", "weights")
 # Each stage against SGD and Adam, float32 and bfloat16, 2 and 4 replicas:
@@ -166,9 +166,7 @@ def test_restore_reloads_the_shards(small_config, tmp_path):
 
 
 def test_skipped_steps_leave_shards_and_model_alone(small_config):
-  from test_sync import _nan_dataset  # pylint: disable=g-import-not-at-top
-  del _nan_dataset  # Registers the "test_nan" dataset.
-  config = small_config(num_devices=2, shard="weights", dataset="test_nan",
+  config = small_config(num_devices=2, shard="weights", dataset=NAN_DATASET,
                         nonfinite="skip")
   trainer = make_trainer(config)
   before = variables(trainer)

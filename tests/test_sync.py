@@ -10,9 +10,8 @@ import tensorflow as tf
 
 from conftest import checkpoint_variables, max_diff
 from dist_loop import train
-from dist_loop.data.base import DATASETS, Dataset
 from dist_loop.errors import NonFiniteError
-from helpers import make_trainer, replica_copies, variables
+from helpers import NAN_DATASET, make_trainer, replica_copies, variables
 
 
 def _spy_all_reduce(monkeypatch):
@@ -62,16 +61,8 @@ def test_loops_of_any_length_share_one_trace_and_report_the_metrics(
   trainer.close()
 
 
-@DATASETS.register("test_nan")
-def _nan_dataset(data_dir, seed, image_size=None):
-  del data_dir, seed, image_size
-  x = np.full((64, 10), np.nan, np.float32)
-  y = np.zeros(64, np.int32)
-  return Dataset(x, y, x[:8], y[:8], 10)
-
-
 def test_a_non_finite_step_stops_the_loop_and_is_not_applied(small_config):
-  trainer = make_trainer(small_config(dataset="test_nan", num_devices=2,
+  trainer = make_trainer(small_config(dataset=NAN_DATASET, num_devices=2,
                                       optimizer="adam"))
   before = replica_copies(trainer)
   with pytest.raises(NonFiniteError, match="at step 1"):

@@ -22,6 +22,11 @@ in-process one. Per model, the step-time breakdown: compute alone (the
 1-worker step), one all-reduce of the model's gradient bytes alone on each
 transport (one bucket, and in buckets), and the exposed communication (the
 2-worker step minus compute alone). Then the issue's targets, met or not.
+
+The variants: float32 in one bucket (the reference) and in buckets of the
+default size and of 1 MB (the choice of the default), bf16 on the wire,
+PowerSGD, DiLoCo, and the three ZeRO stages (their cost in time; their
+memory is `memory_bench.py`'s).
 """
 
 import contextlib
@@ -47,6 +52,7 @@ DILOCO = dict(mode="local_sgd", outer_optimizer="nesterov",
 VARIANTS = {
     "float32, one bucket": dict(allreduce_bucket_mb=0),
     "float32, buckets": dict(),
+    "float32, 1 MB buckets": dict(allreduce_bucket_mb=1),
     "bf16 wire, buckets": dict(allreduce_compression="bf16"),
     "powersgd r=4": dict(allreduce_compression="powersgd", powersgd_rank=4),
     "DiLoCo H=16": DILOCO,
