@@ -31,8 +31,8 @@ for the cluster's ports to free, and start the whole cluster again with the
 same command (and the same TF_CONFIG, unless a port was taken meanwhile);
 every task resumes from the last checkpoint. One line per restart says why,
 and which of N it is; the (N+1)-th failure ends the launcher with that
-task's exit code. Exit codes 2 (bad input) and 3 (the run diverged) are
-never restarted: a restart would fail the same way. A lost parameter server, or a worker's SIGTERM exit, is a
+task's exit code. Exit code 3 (the run diverged) is never restarted: a
+restart would diverge the same way. A lost parameter server, or a worker's SIGTERM exit, is a
 failure like any other. On real hosts, run the train command itself with a
 hand-written TF_CONFIG per host, or under SLURM with srun (README, "Multiple
 processes and hosts").
@@ -119,8 +119,8 @@ def _parse(argv: Sequence[str]) -> Launcher:
                       help="stop everything and exit 124 after this long")
   parser.add_argument("--max_restarts", type=int, default=0,
                       help="after a failure, restart the whole cluster up "
-                      "to N times (0: stop at the first failure; exit codes 2 "
-                      "and 3 are never restarted)")
+                      "to N times (0: stop at the first failure; exit code 3, "
+                      "a diverged run, is never restarted)")
   parser.add_argument("--cpus_per_task", type=_cpus_per_task, default=None,
                       help="cores per task: auto (a share of the cores if "
                       "there is one per task), N, or 0 (never pin)")

@@ -18,10 +18,10 @@ from tools.local_cluster import (Task, available_cpus, cluster_spec,
                                  cpu_sets, wait_for_ports)
 
 STOP_GRACE_S = 10.0  # SIGTERM, then SIGKILL after this.
-# Exit codes a restart cannot change: bad input (2, `errors.UserError`) and
-# a run that ended diverged (3, `errors.DivergedError`) fail the same way
-# again, so the launcher reports them at once instead of retrying.
-FINAL_CODES = (2, 3)
+# Exit codes a restart cannot change: a run that ended diverged (3,
+# `errors.DivergedError`) diverges again from the same checkpoint, so the
+# launcher reports it at once instead of retrying.
+FINAL_CODES = (3,)
 
 # Before a restart: a task stuck in a collective with a dead peer cannot
 # act on SIGTERM until the collective times out, and nothing is left to save.
