@@ -107,9 +107,10 @@ def _parse(argv: Sequence[str]) -> Launcher:
     LaunchError: bad flags, no command, a command that does not exist, or
       a workdir that is a file.
   """
-  if "--" not in argv:
+  wants_help = {"-h", "--help"} & set(argv)
+  if "--" not in argv and not wants_help:
     raise LaunchError(f"no command; usage: {USAGE}")
-  split = argv.index("--")
+  split = argv.index("--") if "--" in argv else len(argv)
   parser = _Parser(prog="python -m tools.launch", usage=USAGE)
   parser.add_argument("--num_workers", type=int, required=True)
   parser.add_argument("--num_ps", type=int, default=0)

@@ -16,8 +16,9 @@ replicas: (4 + 4 + K) Psi unsharded; 4 Psi + 4 Psi + K Psi / N (stage 1);
 run adds to it is reported beside it: the padding of each variable to a
 multiple of N, the float32 weight shard of stages 1 and 2 (in ZeRO it is
 part of K under mixed precision), and the buffers that live only during a
-step (`transient`: the gathered weights of stage 3; on CPU, each reduced
-bucket before it is sliced).
+step (`transient`: the gathered weights of stage 3). Not counted: on CPU,
+stages 2 and 3 reduce each bucket whole before slicing it (there is no
+reduce-scatter), so a bucket's full size also lives briefly.
 
 Bytes on the wire: `collectives.WireBytes`.
 """

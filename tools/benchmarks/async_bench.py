@@ -37,7 +37,7 @@ FACTORS = (1, 3, 10)
 MODES = ("sync", "async")
 CHUNK = 25
 MIN_ROUNDS = 6  # Enough chunks for a median, even for settings that are done.
-SETTINGS = {  # quick: a smoke run of the harness; full: the README numbers.
+SETTINGS = {  # quick: a smoke run of the harness; full: the numbers in docs/benchmarks.md.
     True: dict(model="mlp", target=0.90, max_steps=300),
     False: dict(model="cnn", target=0.95, max_steps=1000),
 }

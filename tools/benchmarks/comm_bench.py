@@ -51,7 +51,7 @@ VARIANTS = {
     "DiLoCo H=8": dict(DILOCO, sync_every=8),
     "DiLoCo H=32": dict(DILOCO, sync_every=32),
 }
-SETTINGS = {  # quick: a smoke run of the harness; full: the README numbers.
+SETTINGS = {  # quick: a smoke run of the harness; full: the numbers in docs/benchmarks.md.
     True: dict(model="mlp", replicas=(2,), steps=2 * CHUNK, target=0.5,
                variants=("float32", "powersgd r=1", "DiLoCo H=32")),
     False: dict(model="cnn", replicas=(2, 4), steps=20 * CHUNK, target=0.95,

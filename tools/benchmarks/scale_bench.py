@@ -68,7 +68,7 @@ MODELS = {
     "transformer": (dict(dataset="pysource", model="transformer", seq_len=128,
                          num_layers=2, d_model=256, num_heads=4), 8, 16),
 }
-SETTINGS = {  # quick: a smoke run of the harness; full: the README numbers.
+SETTINGS = {  # quick: a smoke run of the harness; full: the numbers in docs/benchmarks.md.
     True: dict(models={"mlp": (dict(dataset="synthetic", model="mlp"), 32,
                                16)},
                variants=("float32, one bucket", "float32, buckets",

@@ -53,7 +53,7 @@ class Worker:
       import tensorflow as tf
       tf.config.threading.set_intra_op_parallelism_threads(threads)
     if self.cluster.num_trainers > 1:
-      strategy.multi_worker(collective_timeout_s=300.0)
+      strategy.multi_worker(collective_timeout_s=300.0, cluster=self.cluster)
     self.devices = devices.configure(num_devices, "cpu")
     self.trainers = {}
 

@@ -111,6 +111,9 @@ class PSTrainer(Trainer, Reporting):
   def __init__(self, config, devices, dataset, cluster):
     super().__init__(config, devices, dataset, cluster)
     self.num_workers = cluster.num_workers
+    # TensorFlow's connection to the servers waits forever for a task that
+    # never starts; this wait is bounded by --join_timeout_s.
+    strategy_lib.wait_for_servers(cluster, config.join_timeout_s)
     self.strategy = tf.distribute.experimental.ParameterServerStrategy(
         tf.distribute.cluster_resolver.SimpleClusterResolver(
             tf.train.ClusterSpec(cluster.as_dict()),
