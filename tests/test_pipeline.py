@@ -130,31 +130,28 @@ def assert_same_metrics(metrics, reference):
 
 # -- a step equals a single-device sync step --
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("recompute", ["never", "always"])
+# GPipe and 1F1B each with one recompute setting (and the other setting in
+# test_pipeline_v2.py and the hybrid and regularised tests below); the
+# timed step (its timestamps and their control edges) must not change what
+# a step computes.
+@pytest.mark.parametrize("schedule,recompute,timing", [
+    ("gpipe", "never", "never"), ("1f1b", "always", "every")])
 def test_pipeline_equals_single_device_sync(tmp, sync_run, schedule,
-                                            recompute):
+                                            recompute, timing):
   variables, metrics = trained(config(
       f"pipe_{schedule}_{recompute}", tmp, pipeline_schedule=schedule,
-      recompute=recompute, **K2))
+      recompute=recompute, **dict(K2, pipeline_timing=timing)))
   assert max_diff(sync_run[0], variables) <= TOLERANCE
   assert metrics["train/skipped_steps"] == 0
   assert_same_metrics(metrics, sync_run[1])
 
 
-@pytest.mark.parametrize("schedule,split", [("gpipe", "2"), ("1f1b", "1")])
-def test_hybrid_two_replicas_of_two_stages_equals_sync(tmp, sync_reference,
-                                                       schedule, split):
-  # Split 1: stage 0 is the Flatten alone, with no gradients to reduce.
-  cfg = config(f"hybrid_{schedule}", tmp, pipeline_schedule=schedule,
-               recompute="except_last", **dict(R2K2, split_points=split))
+def test_hybrid_two_replicas_of_two_stages_equals_sync(tmp, sync_reference):
+  # 1F1B in hybrid, on split 1 (stage 0 is the Flatten alone, with no
+  # gradients to reduce), is test_regularised_model_equals_sync[r2k2].
+  cfg = config("hybrid_gpipe", tmp, pipeline_schedule="gpipe",
+               recompute="except_last", **R2K2)
   assert PipelineTrainer.num_replicas(cfg, LOCAL) == 2
-  assert max_diff(sync_reference, trained(cfg)[0]) <= TOLERANCE
-
-
-def test_three_stages_explicit_split_equals_sync(tmp, sync_reference):
-  cfg = config("three", tmp, **dict(K2, num_devices=3, num_stages=3,
-                                    num_microbatches=2, split_points="1,2"))
   assert max_diff(sync_reference, trained(cfg)[0]) <= TOLERANCE
 
 
@@ -163,8 +160,11 @@ def regularised_sync(tmp):
   return trained(config("reg_sync", tmp, model="test_regularized_mlp"))
 
 
+# K=3 on an explicit split (1,2), and R=2 x K=2 1F1B on split 1: the same
+# layouts on the plain MLP would check nothing these do not.
 @pytest.mark.parametrize("pipeline", [
-    dict(K2, num_devices=3, num_stages=3, split_points="1,2"),
+    dict(K2, num_devices=3, num_stages=3, num_microbatches=2,
+         split_points="1,2"),
     dict(R2K2, split_points="1", recompute="always")], ids=["k3", "r2k2"])
 def test_regularised_model_equals_sync(tmp, regularised_sync, pipeline):
   sync_vars, sync_metrics = regularised_sync
@@ -180,28 +180,35 @@ def test_regularised_model_equals_sync(tmp, regularised_sync, pipeline):
 
 
 def test_checkpoints_interchange_with_sync(tmp, sync_reference):
-  # Half in one mode, the rest in the other from its checkpoint.
-  def half(cfg, restore_from=None):
-    trainer = build(cfg)
-    if restore_from:
-      assert checkpoints.Checkpointer(
-          trainer.checkpoint_items(), restore_from, 1).restore(
-              trainer.scope())
-    trainer.train(STEPS // 2)
-    checkpoints.Checkpointer(trainer.checkpoint_items(), cfg.workdir, 1).save(
-        int(trainer.step.numpy()))
-    out = weights(trainer)
-    trainer.close()
-    return out
+  # Sync trains half the steps; the pipeline resumes from its checkpoint,
+  # saves at once, and trains the rest; sync resumes from that save.
+  def save(trainer):
+    checkpoints.Checkpointer(trainer.checkpoint_items(),
+                             trainer.config.workdir, 1).save(
+                                 int(trainer.step.numpy()))
 
-  pipe = config("p_half", tmp, **K2)
-  sync = config("s_half", tmp)
-  half(pipe)
-  half(sync)
-  p_then_s = half(config("p_then_s", tmp), pipe.workdir)
-  s_then_p = half(config("s_then_p", tmp, **K2), sync.workdir)
-  assert max_diff(sync_reference, p_then_s) <= TOLERANCE
+  def resumed(cfg, restore_from):
+    trainer = build(cfg)
+    assert checkpoints.Checkpointer(
+        trainer.checkpoint_items(), restore_from, 1).restore(trainer.scope())
+    assert int(trainer.step.numpy()) == STEPS // 2
+    return trainer
+
+  sync = build(config("s_half", tmp))
+  sync.train(STEPS // 2)
+  save(sync)
+  sync.close()
+  pipe = resumed(config("s_then_p", tmp, **K2), sync.config.workdir)
+  save(pipe)
+  pipe.train(STEPS // 2)
+  s_then_p = weights(pipe)
+  pipe.close()
+  sync = resumed(config("p_then_s", tmp), pipe.config.workdir)
+  sync.train(STEPS // 2)
+  p_then_s = weights(sync)
+  sync.close()
   assert max_diff(sync_reference, s_then_p) <= TOLERANCE
+  assert max_diff(sync_reference, p_then_s) <= TOLERANCE
 
 
 # -- float16: one loss scale for every stage --
@@ -220,11 +227,7 @@ def sync_fp16_reference(tmp, sync_reference):
   return reference, metrics
 
 
-@pytest.mark.parametrize("pipeline", [K2, R2K2], ids=["k2", "r2k2"])
-def test_fp16_pipeline_equals_sync_on_the_same_micro_batches(
-    tmp, sync_fp16_reference, pipeline):
-  variables, metrics = trained(config(f"fp16_{pipeline['num_devices']}", tmp,
-                                      **pipeline, **FP16))
+def assert_same_as_fp16_sync(variables, metrics, sync_fp16_reference):
   reference, reference_metrics = sync_fp16_reference
   assert max_diff(reference, variables) <= TOLERANCE
   # The loss scale too: the same overflows were skipped.
@@ -235,11 +238,31 @@ def test_fp16_pipeline_equals_sync_on_the_same_micro_batches(
       "train/skipped_steps"]
 
 
-def test_fp16_overflow_skips_the_step_on_every_stage(tmp):
-  trainer = build(config("overflow", tmp, **R2K2, **FP16))
+def test_fp16_pipeline_equals_sync_and_its_checkpoint_restores_in_sync(
+    tmp, sync_fp16_reference):
+  pipe = build(config("fp16_k2", tmp, **K2, **FP16))
+  metrics = pipe.train(STEPS)
+  assert_same_as_fp16_sync(weights(pipe), metrics, sync_fp16_reference)
+  pipe.loss_scale.scale.assign(2.0 ** 20)  # Not what sync would start at.
+  workdir = pipe.config.workdir
+  checkpoints.Checkpointer(pipe.checkpoint_items(), workdir, 1).save(STEPS)
+  sync = build(config("fp16_k2", tmp, **FP16))
+  assert checkpoints.Checkpointer(sync.checkpoint_items(), workdir, 1).restore(
+      sync.scope()) is not None
+  assert sync.loss_scale.scale.numpy() == 2.0 ** 20
+  assert max_diff(weights(pipe), weights(sync)) == 0
+  pipe.close()
+  sync.close()
+
+
+def test_fp16_hybrid_equals_sync_then_an_overflow_skips_on_every_stage(
+    tmp, sync_fp16_reference):
+  trainer = build(config("fp16_r2k2", tmp, **R2K2, **FP16))
   assert trainer.model.layers[1].compute_dtype == "float16"
-  trainer.train(2)  # Finite steps: applied.
-  assert int(trainer.optimizer.iterations.numpy()) == 2
+  metrics = trainer.train(STEPS)  # Finite steps: applied.
+  assert_same_as_fp16_sync(weights(trainer), metrics, sync_fp16_reference)
+  applied = int(trainer.optimizer.iterations.numpy())
+  assert applied == STEPS - metrics["train/skipped_steps"]
   before = weights(trainer)
   # Inject an overflow: scaled by 2**40, float16 gradients become inf.
   trainer.loss_scale.scale.assign(2.0 ** 40)
@@ -250,22 +273,10 @@ def test_fp16_overflow_skips_the_step_on_every_stage(tmp):
   assert metrics["train/loss_scale"] == 2.0 ** 39
   for b, v in zip(before, weights(trainer)):
     np.testing.assert_array_equal(b, v)  # No stage applied it.
-  assert int(trainer.optimizer.iterations.numpy()) == 2
-  assert int(trainer.step.numpy()) == 3  # The step happened; its update not.
+  assert int(trainer.optimizer.iterations.numpy()) == applied
+  # The step happened; its update not.
+  assert int(trainer.step.numpy()) == STEPS + 1
   trainer.close()
-
-
-def test_fp16_checkpoint_restores_in_sync_with_its_loss_scale(tmp):
-  pipe = build(config("fp16_to_sync", tmp, **K2, **FP16))
-  pipe.loss_scale.scale.assign(2.0 ** 20)
-  workdir = pipe.config.workdir
-  checkpoints.Checkpointer(pipe.checkpoint_items(), workdir, 1).save(1)
-  sync = build(config("fp16_to_sync", tmp, **FP16))
-  assert checkpoints.Checkpointer(sync.checkpoint_items(), workdir, 1).restore(
-      sync.scope()) is not None
-  assert sync.loss_scale.scale.numpy() == 2.0 ** 20
-  assert max_diff(weights(pipe), weights(sync)) == 0
-  sync.close()
 
 
 # -- the shared inner loop: a non-finite step is skipped --

@@ -1,8 +1,8 @@
 """Pipeline v2: the I/W split, the new schedules, timing, determinism, auto.
 
-Every schedule, with and without recompute, for K = 2, 3, 4, V = 2 where it
-applies, and R x K hybrid, must equal single-device sync after several Adam
-steps. The split of the backward into I and W must do no FLOP twice: that
+Every schedule must equal single-device sync after several Adam steps; a
+covering set of K = 2, 3, 4, recompute settings, V = 2 where it applies and
+R x K hybrid is run. The split of the backward into I and W must do no FLOP twice: that
 is checked on the ops that run, not on timings. Timing must add its ops
 only to the steps that are logged, and --deterministic must run.
 """
@@ -96,20 +96,18 @@ def sync_reference(tmp_path_factory):
 
 # -- every schedule equals sync --
 
-# Each new schedule at K=2 (as R=2 x K=2 hybrid), 3 and 4, with and
-# without recompute; GPipe and 1F1B at K=4 (test_pipeline.py has K=2, 3).
+# A covering set, not the full product: each new schedule at two of
+# K = 2 (as R=2 x K=2 hybrid), 3 and 4, under two recompute settings; each
+# K, each recompute setting and the hybrid meet several schedules. ZB-V at K=2 without recompute is in the --deterministic test
+# below; GPipe at K=4 here, and GPipe and 1F1B at K=2 and 3 (and hybrid) in
+# test_pipeline.py; 1F1B at K=4 in test_transformer_modes.py.
 @pytest.mark.parametrize("schedule,k,m,replicas,recompute", [
     ("gpipe", 4, 4, 1, "always"),
-    ("1f1b", 4, 4, 1, "never"),
     ("interleaved_1f1b", 2, 4, 2, "never"),
-    ("interleaved_1f1b", 3, 6, 1, "always"),
-    ("interleaved_1f1b", 4, 4, 1, "except_last"),
+    ("interleaved_1f1b", 3, 3, 1, "always"),
     ("zb_h1", 2, 4, 2, "always"),
-    ("zb_h1", 3, 6, 1, "never"),
     ("zb_h1", 4, 4, 1, "except_last"),
-    ("zbv", 2, 4, 2, "never"),
-    ("zbv", 3, 6, 1, "except_last"),
-    ("zbv", 4, 4, 1, "always"),
+    ("zbv", 3, 3, 1, "except_last"),
 ])
 def test_every_schedule_equals_single_device_sync(
     tmp_path, sync_reference, schedule, k, m, replicas, recompute):
@@ -246,7 +244,7 @@ def _op_types(trainer, variant, batch):
 
 def test_log_timing_times_only_the_step_that_ends_at_a_log_line(tmp_path):
   cfg = config(tmp_path, train_steps=6, log_every=3,
-               **dict(pipeline("zb_h1", 2, 4), pipeline_timing="log"))
+               **dict(pipeline("zb_h1", 2, 2), pipeline_timing="log"))
   trainer = build(cfg)
   assert trainer.segments(0, 2) == [(2, "untimed")]
   assert trainer.segments(2, 1) == [(1, "timed")]
@@ -305,7 +303,7 @@ def test_deterministic_runs_untimed_and_says_so(tmp_path, op_determinism,
   assert "pipeline/timeline" in report.images  # The predicted one.
   trainer.close()
   # Why: a timed step is refused under op determinism.
-  timed = build(config(tmp_path, **dict(pipeline("1f1b", 2, 4),
+  timed = build(config(tmp_path, **dict(pipeline("1f1b", 2, 2),
                                         pipeline_timing="every")))
   with pytest.raises(tf.errors.OpError, match="determinism"):
     timed.train(1)

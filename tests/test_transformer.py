@@ -1,16 +1,14 @@
 """The byte-level Transformer: causality, its pipeline split, and training
-it in sync mode (N devices equal 1; a short run learns more than byte
-frequencies)."""
+it in sync mode (a short run learns more than byte frequencies; N devices
+equal 1 is in test_transformer_modes.py)."""
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import max_diff
 from dist_loop import models, train
 from dist_loop.errors import UserError
 from dist_loop.models.transformer import TransformerOptions
-from helpers import make_trainer, variables
 
 TINY = dict(num_layers=2, d_model=16, num_heads=2, mlp_ratio=2)
 
@@ -108,22 +106,6 @@ def _lm_config(small_config, **overrides):
               optimizer="adam", learning_rate=0.01, global_batch_size=16,
               **TINY)
   return small_config(**{**base, **overrides})
-
-
-def test_two_devices_equal_one(small_config):
-  def trained(num_devices):
-    trainer = make_trainer(_lm_config(small_config, num_devices=num_devices,
-                                      num_layers=1))
-    start = variables(trainer)
-    trainer.train(4)
-    end = variables(trainer)
-    trainer.close()
-    return start, end
-
-  start, one = trained(1)
-  _, two = trained(2)
-  assert max_diff(one, two) <= 1e-5
-  assert max_diff(one, start) > 1e-2  # Adam moved every step's weights.
 
 
 def test_a_short_run_learns_more_than_byte_frequencies(small_config):
