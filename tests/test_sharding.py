@@ -122,18 +122,26 @@ def _run(small_config, workdir, steps, **flat):
   return checkpoint_variables(config), summary
 
 
-def test_checkpoints_move_between_stages_replica_counts_and_modes(
-    small_config, tmp_path):
-  def uninterrupted(steps, **flat):
-    """The unsharded trainer alone, to `steps`: (trainer, variables)."""
-    trainer = make_trainer(small_config(optimizer="adam", **flat))
-    trainer.train(steps)
-    return trainer, variables(trainer)
+def _uninterrupted(small_config, steps, **flat):
+  """The unsharded Adam trainer alone, trained `steps`."""
+  trainer = make_trainer(small_config(optimizer="adam", **flat))
+  trainer.train(steps)
+  return trainer
 
-  trainer, reference = uninterrupted(9, num_devices=2)
-  trainer.close()
-  # Resumed equals uninterrupted: each stage writes a checkpoint that the
-  # next one resumes, on 2 replicas throughout.
+
+def _reference(small_config):
+  """Variables of unsharded Adam on 2 replicas after 9 steps, once."""
+  if "checkpoint_reference" not in _runs:
+    trainer = _uninterrupted(small_config, 9, num_devices=2)
+    _runs["checkpoint_reference"] = variables(trainer)
+    trainer.close()
+  return _runs["checkpoint_reference"]
+
+
+def test_resumed_equals_uninterrupted_through_every_stage(small_config,
+                                                          tmp_path):
+  """Each stage writes a checkpoint that the next one resumes, on 2
+  replicas throughout."""
   chain = str(tmp_path / "chain")
   _run(small_config, chain, 3, num_devices=2, shard="optimizer")
   _, summary = _run(small_config, chain, 6, num_devices=2, shard="gradients")
@@ -142,7 +150,11 @@ def test_checkpoints_move_between_stages_replica_counts_and_modes(
   assert summary["shard"] == "gradients"
   assert summary["memory_gradients_mb"] < summary["memory_weights_mb"]
   resumed, _ = _run(small_config, chain, 9, num_devices=2, shard="weights")
-  assert max_diff(reference, resumed) <= 1e-6
+  assert max_diff(_reference(small_config), resumed) <= 1e-6
+
+
+def test_checkpoints_move_between_stages_replica_counts_and_modes(
+    small_config, tmp_path):
   # Sharded on 4 -> another mode on 1 -> sharded on 2. Another replica
   # count sums the shares in another order: the tolerance of N devices = 1
   # device.
@@ -150,11 +162,11 @@ def test_checkpoints_move_between_stages_replica_counts_and_modes(
   _run(small_config, other, 3, num_devices=4, shard="weights")
   _run(small_config, other, 6, num_devices=1, mode="single_device")
   moved, _ = _run(small_config, other, 9, num_devices=2, shard="optimizer")
-  assert max_diff(reference, moved) <= 1e-5
+  assert max_diff(_reference(small_config), moved) <= 1e-5
   # The sharded checkpoint at step 3 is an unsharded one: the same names,
   # shapes and values, slot for slot.
   unsharded = str(tmp_path / "none")
-  trainer, _ = uninterrupted(3, num_devices=4)
+  trainer = _uninterrupted(small_config, 3, num_devices=4)
   checkpoints.manager(trainer.checkpoint_items(), unsharded, 1).save(
       checkpoint_number=3)
   trainer.close()
