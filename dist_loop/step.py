@@ -14,18 +14,14 @@ single-device training:
    contributor adds 1/`contributors` of it, so the shares add up to the
    single-device loss.
 
-`run_steps` is the inner loop of the modes that apply one update per step
-(sync and pipeline): the step counter, the non-finite policy and loss-scale
-skips, the divergence guard (`--max_loss`), and the means of the metrics
-over the loop.
-
-The loop base (`modes/loop.py`) keeps those means differently: each replica
-sums its own steps' values in the traced loop (`zero_sums`, `add_step`),
-one gather brings every replica's row (`sums_row`) to the host once per
-loop, and `LoopSums` turns the rows into means over the applied steps.
+The loop base (`modes/loop.py`) keeps a loop's metrics: each replica sums
+its own steps' values in the traced loop (`zero_sums`, `add_step`), one
+gather brings every replica's row (`sums_row`) to the host once per loop,
+and `LoopSums` turns the rows into means over the applied steps.
+`above_bound` is the divergence guard (`--max_loss`) of every mode.
 """
 
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -122,9 +118,6 @@ def accumulated_gradients(task: Task, model, x, y, *, chunks: int,
           [a + b for a, b in zip(grads, g)])
 
 
-StepFn = Callable[..., Tuple[Dict[str, tf.Tensor], tf.Tensor, object]]
-
-
 def above_bound(loss: tf.Tensor, max_loss: float):
   """The divergence guard of every mode (`--max_loss`): whether a finite
   loss is above `max_loss`. Python False without a bound (0), so a run
@@ -134,64 +127,6 @@ def above_bound(loss: tf.Tensor, max_loss: float):
     return False
   loss = tf.cast(loss, tf.float32)
   return tf.math.is_finite(loss) & (loss > max_loss)
-
-
-def run_steps(step_fn: StepFn, iterator, num_steps: tf.Tensor,
-              step: tf.Variable, *, keys: Sequence[str], nonfinite: str,
-              loss_scale=None, carry=(), max_loss: float = 0.0):
-  """Runs `num_steps` steps of `step_fn` inside the caller's tf.function.
-
-  Args:
-    step_fn: `fn(batch) -> (metrics, ok, carry)`. `metrics` are the
-      update's float32 scalars (at least `keys`, `loss` among them); `ok`
-      says the update was applied (its gradients were finite); `carry` is
-      any nest of tensors to keep from the last step that ran (the
-      pipeline's timeline), with the structure of the `carry` argument.
-    iterator: yields one update's batch per `next`.
-    num_steps: int64 scalar tensor.
-    step: the int64 step variable; advances once per step that ran,
-      applied or skipped.
-    keys: the metrics to average over the applied steps.
-    nonfinite: the `--nonfinite` policy. "skip" skips any non-finite step;
-      otherwise only a loss-scale overflow (with `loss_scale`) is skipped,
-      and any other non-finite step ends the loop, not applied.
-    loss_scale: the DynamicLossScale, or None.
-    carry: the initial carry.
-    max_loss: a step whose loss is above it ends the loop like a
-      non-finite step, whatever `nonfinite` says (its update is already
-      applied, so it cannot be skipped); 0: no bound.
-
-  Returns:
-    (means, bad_step, carry): the means over applied steps plus
-    `skipped_steps` (and `loss_scale` if any); the step at which a
-    non-finite (or diverged) step ended the loop, or -1.
-  """
-  skip_all = nonfinite == "skip"
-  may_skip = skip_all or loss_scale is not None
-  total = {k: tf.constant(0.0) for k in keys}
-  done = tf.constant(0, tf.int64)
-  skipped = tf.constant(0, tf.int64)
-  bad_step = tf.constant(-1, tf.int64)
-  for _ in tf.range(num_steps):
-    metrics, ok, new_carry = step_fn(next(iterator))
-    step.assign_add(1)
-    loss_ok = tf.math.is_finite(metrics["loss"])
-    diverged = above_bound(metrics["loss"], max_loss)
-    if diverged or not (loss_ok or skip_all) or not (ok or may_skip):
-      bad_step = step.read_value()
-      break
-    done += 1
-    carry = new_carry
-    if not (ok and loss_ok):
-      skipped += 1
-      continue
-    total = {k: total[k] + metrics[k] for k in keys}
-  n = tf.maximum(tf.cast(done - skipped, tf.float32), 1.0)
-  means = {k: v / n for k, v in total.items()}
-  means["skipped_steps"] = tf.cast(skipped, tf.float32)
-  if loss_scale is not None:
-    means["loss_scale"] = loss_scale.scale.read_value()
-  return means, bad_step, carry
 
 
 # -- A loop's sums, per replica (the loop base) --

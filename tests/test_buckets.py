@@ -8,6 +8,7 @@ mixed precision and resume. The multi-process crossing is in
 test_multiworker_buckets.py.
 """
 
+import keras
 import pytest
 import tensorflow as tf
 
@@ -16,6 +17,7 @@ from dist_loop import configure, data, devices
 from dist_loop.cluster import Cluster
 from dist_loop.errors import UserError
 from dist_loop.modes import build_trainer
+from helpers import make_trainer, variables
 
 TINY_BUCKET_MB = 0.001  # About 1 KB: every gradient of the test MLP its own.
 
@@ -60,12 +62,29 @@ def _gradient_of(layer, names):
              for n in names)
 
 
-def test_buckets_travel_last_layers_first_each_on_its_own_gradients(
-    small_config):
-  trainer = _trainer(small_config, num_devices=2,
-                     allreduce_bucket_mb=TINY_BUCKET_MB)
-  collectives = _collectives(trainer)
-  trainer.close()
+@pytest.fixture(name="runs", scope="module")
+def _runs():
+  """{bucket MB: (collectives of a traced step, variables after 10 steps)}
+  of float32 sync on 2 replicas, in tiny buckets and in one."""
+  from dist_loop import make_config  # pylint: disable=g-import-not-at-top
+  out = {}
+  for bucket_mb in (TINY_BUCKET_MB, 0.0):
+    config = configure.validate(make_config(
+        workdir="/tmp/unused", dataset="synthetic", model="mlp",
+        num_devices=2, global_batch_size=32, optimizer="sgd",
+        learning_rate=0.1, seed=0, allreduce_bucket_mb=bucket_mb), Cluster())
+    keras.utils.set_random_seed(config.seed)
+    trainer = build_trainer(config, devices.configure(2, "cpu"),
+                            data.load(config), Cluster())
+    collectives = _collectives(trainer)
+    trainer.train(10)
+    out[bucket_mb] = collectives, variables(trainer)
+    trainer.close()
+  return out
+
+
+def test_buckets_travel_last_layers_first_each_on_its_own_gradients(runs):
+  collectives = runs[TINY_BUCKET_MB][0]
   # Four gradients (two kernels, two biases), a bucket closing once it
   # passes 1 KB: the logits layer's, then the first layer's. The first to
   # go needs nothing of the first layer's backward pass.
@@ -76,21 +95,15 @@ def test_buckets_travel_last_layers_first_each_on_its_own_gradients(
   assert _gradient_of("dense_1", last)
 
 
-def test_one_bucket_waits_for_the_whole_backward_pass(small_config):
-  trainer = _trainer(small_config, num_devices=2, allreduce_bucket_mb=0.0)
-  collectives = _collectives(trainer)
-  trainer.close()
+def test_one_bucket_waits_for_the_whole_backward_pass(runs):
+  collectives = runs[0.0][0]
   assert len(collectives) == 1
   assert _gradient_of("dense_1", collectives[0][1])
   assert _gradient_of("logits", collectives[0][1])
 
 
-def test_bucketed_equals_one_bucket(small_config):
-  one = trained_variables(small_config(num_devices=2, allreduce_bucket_mb=0))
-  bucketed = trained_variables(small_config(
-      workdir=small_config().workdir + "_b", num_devices=2,
-      allreduce_bucket_mb=TINY_BUCKET_MB))
-  assert max_diff(one, bucketed) <= 1e-6
+def test_bucketed_equals_one_bucket(runs):
+  assert max_diff(runs[0.0][1], runs[TINY_BUCKET_MB][1]) <= 1e-6
 
 
 def test_bucketed_and_resumed_equals_one_bucket_with_accumulation_and_bf16(
@@ -98,13 +111,15 @@ def test_bucketed_and_resumed_equals_one_bucket_with_accumulation_and_bf16(
   crossing = dict(num_devices=2, grad_accum_steps=2,
                   allreduce_compression="bf16", precision="mixed_bfloat16",
                   optimizer="adam", learning_rate=0.01)
-  one = trained_variables(small_config(allreduce_bucket_mb=0, **crossing))
-  half = small_config(workdir=small_config().workdir + "_r",
-                      allreduce_bucket_mb=TINY_BUCKET_MB, train_steps=5,
+  one = make_trainer(small_config(allreduce_bucket_mb=0, **crossing))
+  one.train(10)
+  uninterrupted = variables(one)
+  one.close()
+  half = small_config(allreduce_bucket_mb=TINY_BUCKET_MB, train_steps=5,
                       checkpoint_every=5, **crossing)
   trained_variables(half)
   resumed = trained_variables(half.replace(train_steps=10))
-  assert max_diff(one, resumed) <= 1e-6
+  assert max_diff(uninterrupted, resumed) <= 1e-6
 
 
 @pytest.mark.parametrize("compression", ["powersgd", "topk"])

@@ -8,14 +8,12 @@
 * A resume mid-period equals the uninterrupted run.
 """
 
-import os
-
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import checkpoint_variables, max_diff
+from conftest import max_diff
 from helpers import NAN_DATASET
 import dist_loop.modes.local_sgd  # noqa: F401  (registers the mode)
 from dist_loop import checkpoints, configure, data, devices, optim, resume, train
@@ -52,20 +50,19 @@ def _synced(trainer):
   return [np.asarray(v) for v in trainer.model.trainable_variables]
 
 
-def test_h1_average_lr1_equals_sync(small_config, tmp_path):
-  common = dict(num_devices=2, train_steps=12, checkpoint_every=6,
-                max_checkpoints=5)
-  sync = small_config(workdir=str(tmp_path / "sync"), **common)
-  local = small_config(workdir=str(tmp_path / "local"), mode="local_sgd",
-                       sync_every=1, **common)
-  train.run(sync)
-  summary = train.run(local)
-  final = checkpoint_variables(local)
-  assert max_diff(final, checkpoint_variables(sync)) <= 1e-5
-  half = checkpoints.load_model(
-      local, os.path.join(local.workdir, "checkpoints", "ckpt-6"))
-  assert max_diff(final, [np.asarray(v) for v in
-                          half.trainable_variables]) > 1e-2  # It trained.
+def test_h1_average_lr1_equals_sync(small_config):
+  sync = _trainer(small_config(num_devices=2))
+  sync.train(12)
+  local = _trainer(small_config(mode="local_sgd", num_devices=2,
+                                sync_every=1))
+  local.train(6)
+  half = _synced(local)
+  local.train(6)
+  final, summary = _synced(local), local.summary()
+  assert max_diff(final, _synced(sync)) <= 1e-5
+  assert max_diff(final, half) > 1e-2  # It trained.
+  sync.close()
+  local.close()
   # H=1 sends what float32 sync sends: one float32 value per weight a step.
   params = sum(v.size for v in final)
   assert summary["allreduce_bytes_per_step"] == 4 * params

@@ -185,12 +185,23 @@ def test_means_of_segments_weigh_their_applied_steps(trainer):
   assert metrics["train/loss"] == 4.0 and metrics["train/grad_norm"] == 4.0
 
 
-def test_a_bad_step_ends_an_agreeing_loop_at_that_step(trainer):
+@pytest.mark.parametrize("loss", [1.0, NAN])
+def test_a_bad_step_ends_an_agreeing_loop_at_that_step(trainer, loss):
+  """A step not applied, whatever its loss, ends the loop there."""
   agreeing = trainer()
   with pytest.raises(NonFiniteError) as error:
-    agreeing.run(_rows((1.0, 1, 1.0), (1.0, 0, 1.0), (1.0, 1, 1.0),
+    agreeing.run(_rows((1.0, 1, 1.0), (loss, 0, 1.0), (1.0, 1, 1.0),
                        (1.0, 1, 1.0)), 4)
   assert error.value.step == 2 and int(agreeing.step.numpy()) == 2
+
+
+def test_a_non_finite_loss_of_an_applied_step_is_named_at_the_end(trainer):
+  """Its update was applied on every replica, so the loop runs on; the
+  step is still bad, and named when the loop ends."""
+  agreeing = trainer()
+  with pytest.raises(NonFiniteError) as error:
+    agreeing.run(_rows((1.0, 1, 1.0), (NAN, 1, 1.0), (1.0, 1, 1.0)), 3)
+  assert error.value.step == 2 and int(agreeing.step.numpy()) == 3
 
 
 def test_a_non_agreeing_mode_names_its_first_bad_step_at_the_end(trainer):
@@ -225,6 +236,8 @@ def test_an_overflow_is_skipped_but_a_non_finite_loss_ends_the_loop(
   metrics = scaled.run(_rows((1.0, 1, 1.0), (1.0, 0, 1.0), (1.0, 1, 1.0),
                              (1.0, 0, 1.0)), 4)
   assert metrics["train/skipped_steps"] == 2.0
+  assert metrics["train/loss"] == 1.0  # Over the two applied steps.
+  assert metrics["train/loss_scale"] == precision_lib.INITIAL_SCALE
   assert int(reduced.numpy()) == 2 + 2  # The unapplied steps of each call.
 
 
@@ -234,6 +247,12 @@ def test_max_loss_ends_the_loop_on_the_loss_over_replicas(trainer):
   with pytest.raises(NonFiniteError) as error:
     bounded.run(_rows((1.0, 1, 1.0), (12.0, 1, 1.0), (1.0, 1, 1.0)), 3)
   assert error.value.step == 2 and int(bounded.step.numpy()) == 2
+  # Without a bound (--max_loss=0) the same loss is just a loss.
+  unbounded = trainer()
+  metrics = unbounded.run(_rows((1.0, 1, 1.0), (1e9, 1, 1.0),
+                                (1.0, 1, 1.0)), 3)
+  assert int(unbounded.step.numpy()) == 3
+  assert metrics["train/loss"] == pytest.approx((1.0 + 1e9 + 1.0) / 3)
 
 
 @pytest.mark.parametrize("max_loss", [0.0, 10.0])

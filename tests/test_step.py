@@ -1,5 +1,7 @@
-"""The step core: shares, the one regularisation rule, accumulation, and the
-inner loop's bookkeeping (with a scripted step function, no model)."""
+"""The step core: shares, the one regularisation rule and accumulation.
+
+The loop's bookkeeping (means over applied steps, skips, bad steps, the
+divergence guard) is the loop base's, tested in test_loop.py."""
 
 import keras
 import numpy as np
@@ -9,7 +11,6 @@ import tensorflow as tf
 from dist_loop import models
 from dist_loop import step as step_lib
 from dist_loop.models.base import MODELS
-from dist_loop.precision import DynamicLossScale
 from dist_loop.tasks import TASKS
 
 # A model with a regulariser: its `model.losses` is a per-update term that
@@ -90,70 +91,3 @@ def test_a_share_of_a_sequence_task_is_a_mean_over_every_position():
   log_p = tf.nn.log_softmax(logits).numpy()
   expected = -np.take_along_axis(log_p, labels.numpy()[..., None], -1).mean()
   np.testing.assert_allclose(out["loss"], expected, rtol=1e-6)
-
-
-# -- run_steps: scripted per-step (loss, ok) values --
-
-
-def _run_steps(losses, oks, nonfinite="raise", loss_scale=None):
-  """Runs every scripted step; the carry is the loss of the last step that
-  ran. Returns (means, bad_step, carry, step counter)."""
-  step = tf.Variable(0, dtype=tf.int64)
-  iterator = iter(tf.data.Dataset.from_tensor_slices(
-      (tf.constant(losses, tf.float32), tf.constant(oks))))
-
-  def step_fn(batch):
-    loss, ok = batch
-    return {"loss": loss, "accuracy": loss / 10}, ok, loss
-
-  @tf.function
-  def loop():
-    return step_lib.run_steps(
-        step_fn, iterator, tf.constant(len(losses), tf.int64), step,
-        keys=("loss", "accuracy"), nonfinite=nonfinite,
-        loss_scale=loss_scale, carry=tf.constant(-1.0))
-
-  means, bad_step, carry = loop()
-  return ({k: float(v) for k, v in means.items()}, int(bad_step),
-          float(carry), int(step.numpy()))
-
-
-def test_run_steps_averages_the_applied_steps():
-  means, bad, carry, step = _run_steps([1.0, 2.0, 6.0], [True] * 3)
-  assert means == pytest.approx(
-      {"loss": 3.0, "accuracy": 0.3, "skipped_steps": 0.0})
-  assert (bad, carry, step) == (-1, 6.0, 3)
-
-
-@pytest.mark.parametrize("loss,ok", [(np.nan, False), (np.nan, True),
-                                     (1.0, False)])
-def test_run_steps_raise_stops_at_a_non_finite_step(loss, ok):
-  means, bad, carry, step = _run_steps([1.0, loss, 3.0], [True, ok, True])
-  assert (bad, step) == (2, 2)  # The bad step counts; nothing after it runs.
-  assert carry == 1.0  # From the last step that was not bad.
-  assert means["loss"] == 1.0 and means["skipped_steps"] == 0
-
-
-def test_run_steps_skips_a_loss_scale_overflow_but_not_a_nan_loss():
-  scale = DynamicLossScale(initial_scale=4.0)
-  # Finite loss, non-finite gradients: an overflow, skipped.
-  means, bad, carry, step = _run_steps([1.0, 2.0, 3.0], [True, False, True],
-                                       loss_scale=scale)
-  assert means == pytest.approx({"loss": 2.0, "accuracy": 0.2,
-                                 "skipped_steps": 1.0, "loss_scale": 4.0})
-  assert (bad, carry, step) == (-1, 3.0, 3)
-  # A non-finite loss is not an overflow: it stops the loop.
-  _, bad, _, step = _run_steps([1.0, np.nan, 3.0], [True, False, True],
-                               loss_scale=scale)
-  assert (bad, step) == (2, 2)
-
-
-def test_run_steps_skip_policy_drops_every_non_finite_step():
-  means, bad, carry, step = _run_steps(
-      [np.nan, 2.0, np.inf, 4.0], [False, True, True, False],
-      nonfinite="skip")
-  assert means == pytest.approx(
-      {"loss": 2.0, "accuracy": 0.2, "skipped_steps": 3.0})
-  assert (bad, carry, step) == (-1, 4.0, 4)
-  means, _, _, _ = _run_steps([np.nan], [False], nonfinite="skip")
-  assert means == {"loss": 0.0, "accuracy": 0.0, "skipped_steps": 1.0}

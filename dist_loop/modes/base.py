@@ -61,8 +61,8 @@ class Trainer(abc.ABC):
   precisions = ("float32",)
   grad_accumulation = False
   skips_nonfinite = False  # Can drop a non-finite step (--nonfinite=skip).
-  # Honours --max_loss: passes it to its step's guard (`step.run_steps`, the
-  # async `Applier`, the ps `LockedUpdate`).
+  # Honours --max_loss: passes it to its step's guard (`step.above_bound`,
+  # through the loop base, the async `Applier` or the ps `LockedUpdate`).
   checks_max_loss = False
 
   model: keras.Sequential
