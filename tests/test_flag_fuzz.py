@@ -92,10 +92,10 @@ def _combinations():
 COMBINATIONS = list(_combinations())
 
 
-# The combinations run in groups, each in one test (every NUM_GROUPS-th
-# combination, so that each group gets its share of runs that train): a
-# group is a few runs that train and many refusals, the size of one test.
-NUM_GROUPS = 4
+# The combinations run in two groups (the even and the odd ones), each in
+# one test: a group is a few runs that train and many refusals, the size of
+# one test.
+NUM_GROUPS = 2
 
 
 def _check(code, out, err):
@@ -126,10 +126,10 @@ def _run_group(group, tmp_path):
 
 @pytest.mark.parametrize("group", range(NUM_GROUPS))
 def test_random_flags_train_or_fail_in_one_line(group, tmp_path):
-  """The seed gives runs that train and runs that are refused, in every
-  group (over all groups: at least 8 that train and 52 refused)."""
+  """The seed gives runs that train and runs that are refused, in each
+  group (over both: at least 4 that train and 50 refused)."""
   codes = _run_group(group, tmp_path)
-  assert codes.count(0) >= 2 and len(codes) - codes.count(0) >= 13, codes
+  assert codes.count(0) >= 2 and len(codes) - codes.count(0) >= 25, codes
 
 
 def test_a_run_that_trains_does_so_as_a_new_process(tmp_path):
