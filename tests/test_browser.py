@@ -225,7 +225,7 @@ def served_run(tmp_path_factory):
   from test_tensorboard import serve  # pylint: disable=g-import-not-at-top
   workdir = str(tmp_path_factory.mktemp("runs") / "demo")
   summary = dist_loop.run(dist_loop.make_config(
-      workdir=workdir, dataset="synthetic", model="mlp", num_devices=2,
+      workdir=workdir, dataset="synthetic", model="mlp", num_devices=1,
       global_batch_size=32, train_steps=10, steps_per_loop=5, log_every=5,
       eval_every=5, checkpoint_every=10))
   with serve(os.path.dirname(workdir), "demo/tb/eval", "accuracy",

@@ -7,13 +7,18 @@ has none. tools.bench at the default verbosity is checked on the quick
 suites of `test_bench.py`.
 """
 
+import json
+import math
 import os
 import re
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO
 from dist_loop import train
+from tools.benchmarks import data_parallel
 
 # TensorFlow's, Keras's and absl's lines: Python `tensorflow` logger records
 # (and absl's copies, `I1201 12:00:00.1 ...`), native ones (`I0000 ...`,
@@ -48,13 +53,15 @@ def test_noise_pattern_matches_tensorflow_lines_only():
 
 
 def test_compare_is_quiet_unless_asked(small_config, tmp_path):
-  config = small_config(workdir=str(tmp_path / "run"))
+  config = small_config(workdir=str(tmp_path / "run"), train_steps=2,
+                        steps_per_loop=2, log_every=2, eval_every=2,
+                        checkpoint_every=2)
   train.run(config)
   quiet = run_tool("tools.compare", config.workdir, "--plot=")
   assert quiet.returncode == 0, quiet.stderr[-3000:]
   header, rule, row = quiet.stdout.splitlines()
   assert header.startswith("| run | mode |") and rule.startswith("| --- |")
-  assert row.startswith("| run | sync | 1 | 10 |")
+  assert row.startswith("| run | sync | 1 | 2 |")
   assert quiet.stderr == ""
 
   loud = run_tool("tools.compare", config.workdir, "--plot=",
@@ -65,10 +72,17 @@ def test_compare_is_quiet_unless_asked(small_config, tmp_path):
   assert len(NOISE.findall(loud.stderr)) >= 3, loud.stderr[-3000:]
 
 
+def _positive(value):
+  return isinstance(value, float) and math.isfinite(value) and value > 0
+
+
 def test_bench_shows_tensorflow_lines_when_asked(tmp_path):
+  """On the data_parallel suite, whose quick run's JSON is checked here
+  too (test_bench.py checks the other in-process suites', at the default
+  verbosity)."""
   out = tmp_path / "bench.json"
-  result = run_tool("tools.bench", "--quick", "--suite=mfu", f"--out={out}",
-                    "--verbosity=2")
+  result = run_tool("tools.bench", "--quick", "--suite=data_parallel",
+                    f"--out={out}", "--verbosity=2")
   assert result.returncode == 0, result.stderr[-3000:]
   assert f"wrote {out}" in result.stdout
   # The strategy's INFO lines that the default verbosity hides, in absl's
@@ -76,3 +90,14 @@ def test_bench_shows_tensorflow_lines_when_asked(tmp_path):
   assert re.search(r"^I\d{4} .*\] Using MirroredStrategy", result.stderr,
                    re.MULTILINE), result.stderr[-3000:]
   assert not NOISE.search(result.stdout)
+
+  suite = json.loads(out.read_text())["suites"]["data_parallel"]
+  assert _positive(suite["seconds"])
+  assert len(suite["table"].splitlines()) == len(suite["rows"]) + 2
+  assert "## data_parallel (" in result.stdout
+  rows = suite["rows"]
+  assert [(r["devices"], r["bucket MB"], r["compression"])
+          for r in rows] == list(data_parallel.QUICK_VARIANTS)
+  for r in rows:
+    assert _positive(r["step ms"])
+    assert r["vs 1 device"] == pytest.approx(r["step ms"] / rows[0]["step ms"])

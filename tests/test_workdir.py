@@ -253,7 +253,9 @@ def test_each_process_of_a_multi_worker_run_has_its_own_lock():
 
 def test_the_refused_command_exits_1_in_one_line_without_a_traceback(
     tmp_path):
-  """The one new process: the lock is held by this one."""
+  """The one new process: the lock is held by this one. Also the entry
+  point's check that an error found while running (not while parsing
+  flags) exits 1 in one line, as a new process shows it."""
   run = tmp_path / "run"
   with workdir.Lock(str(run)):
     result = run_train(*RUN, f"--workdir={run}", "--train_steps=2",
