@@ -42,10 +42,11 @@ time.sleep(60)
 # Records each of its runs (its cluster spec) in WORKDIR/runs-<job>-<i>; the
 # task named by argv[3] fails with exit code 3 in its first argv[2] runs,
 # once every other task has recorded the same run (else the launcher could
-# stop one before it does). Training tasks then finish; servers (a PS
-# cluster's workers and PSs) wait.
+# stop one before it does); argv[4] is its exit code, or SIGKILL to die by
+# that signal. Training tasks then finish; servers (a PS cluster's workers
+# and PSs) wait.
 FAIL_FIRST_RUNS = """
-import json, os, sys, time
+import json, os, signal, sys, time
 config = json.loads(os.environ["TF_CONFIG"])
 job, index = config["task"]["type"], config["task"]["index"]
 workdir = sys.argv[1].split("=", 1)[1]
@@ -67,7 +68,9 @@ if f"{job}:{index}" == sys.argv[3] and run <= int(sys.argv[2]):
   while time.monotonic() < deadline and not all(map(recorded, others)):
     time.sleep(0.05)
   print("boom", flush=True)
-  sys.exit(int(sys.argv[4]) if len(sys.argv) > 4 else 1)
+  if sys.argv[4] == "SIGKILL":
+    os.kill(os.getpid(), signal.SIGKILL)
+  sys.exit(int(sys.argv[4]))
 if job == "ps" or (job == "worker" and "ps" in config["cluster"]):
   time.sleep(60)
 time.sleep(1.0)
@@ -205,6 +208,18 @@ def test_max_restarts_restarts_the_whole_cluster_with_the_same_command(
     assert len(runs) == 3 and len(set(runs)) == 1
   log = (workdir / "logs" / "worker-0.log").read_text()
   assert "[launch] restart 2 of 3" in log
+
+
+def test_a_task_killed_by_a_signal_is_restarted_and_named_so(tmp_path):
+  workdir = tmp_path / "run"
+  result = _launch_failing(workdir, "worker:0", 1, "--num_workers=2",
+                           "--max_restarts=2", code="SIGKILL")
+  assert result.returncode == 0, result.stdout
+  assert _restart_lines(result.stdout) == [
+      "[launch] worker:0 failed (killed by signal 9); restart 1 of 2: "
+      "stopping every task and restarting the cluster (log "
+      f"{workdir / 'logs' / 'worker-0.log'})"]
+  assert len(_runs(workdir, "worker-1")) == 2
 
 
 def test_after_max_restarts_the_failing_tasks_code_is_the_exit_code(
@@ -386,7 +401,7 @@ def test_auto_shares_the_cores_when_there_are_fewer_than_tasks(tmp_path):
 def test_at_verbosity_minus_one_only_failures_are_said(tmp_path):
   result = _launch_failing(tmp_path / "run", "worker:0", 99,
                            "--num_workers=2", "--verbosity=-1")
-  assert result.returncode == 3, result.stdout
+  assert result.returncode == 1, result.stdout
   said = [line for line in result.stdout.splitlines()
           if line.startswith("[launch]")]
-  assert len(said) == 1 and "worker:0 failed (exit code 3)" in said[0]
+  assert len(said) == 1 and "worker:0 failed (exit code 1)" in said[0]

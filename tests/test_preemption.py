@@ -4,8 +4,8 @@ collective, and the controller stopping at the step a peer's SIGTERM was
 agreed on.
 
 Across processes, a SIGTERM to one worker of a two-worker cluster making
-both save the same step is part of the chaos story (tests/test_chaos.py),
-which already runs that cluster.
+both save the same step is part of the multi-worker story
+(tests/test_multiworker.py), which already runs that cluster.
 """
 
 import os

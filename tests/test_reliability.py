@@ -16,7 +16,7 @@ import pytest
 import tensorflow as tf
 
 from conftest import REPO, checkpoint_variables, max_diff, run_main
-from dist_loop import checkpoints, train
+from dist_loop import checkpoints, make_config, train
 from dist_loop.data import stream
 from dist_loop.data.base import DATASETS, Dataset
 from dist_loop.errors import NonFiniteError, UserError
@@ -189,68 +189,86 @@ def test_layout_change_is_refused_unless_allowed(small_config):
                             allow_config_change=False))
 
 
+# The signals' chain: sharded state (ZeRO-2) on two devices, --deterministic.
+SIGNAL_STEPS = 30
+SIGNAL_RUN = dict(dataset="synthetic", model="mlp", global_batch_size=32,
+                  optimizer="adam", learning_rate=0.01, steps_per_loop=5,
+                  log_every=5, checkpoint_every=5, eval_every=1000, seed=0,
+                  num_devices=2, shard="gradients", max_checkpoints=100)
+
+
 def _start(workdir, *extra):
-  args = [sys.executable, "-m", "experiments.train", "--dataset=synthetic",
-          "--model=mlp", "--global_batch_size=32", "--optimizer=adam",
-          "--steps_per_loop=5", "--log_every=5", "--checkpoint_every=25",
-          "--eval_every=1000", "--deterministic", f"--workdir={workdir}",
-          *extra]
+  args = [sys.executable, "-m", "experiments.train",
+          *[f"--{k}={v}" for k, v in SIGNAL_RUN.items()],
+          f"--train_steps={SIGNAL_STEPS}", "--deterministic",
+          f"--workdir={workdir}", *extra]
   return subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True,
                           env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
 
 
-def _wait_for_checkpoint(workdir, proc, timeout=120):
-  index = os.path.join(workdir, "checkpoints", "checkpoint")
+def _latest(workdir):
+  return tf.train.latest_checkpoint(str(workdir / "checkpoints"))
+
+
+def _wait_for_checkpoint(workdir, proc, after=None, timeout=300):
+  """Until a checkpoint other than `after` is the latest."""
   deadline = time.time() + timeout
-  while not os.path.exists(index):
+  while _latest(workdir) in (None, after):
     assert proc.poll() is None, proc.communicate()[1][-2000:]
     assert time.time() < deadline, "no checkpoint appeared"
-    time.sleep(0.1)
+    time.sleep(0.05)
+  return _latest(workdir)
 
 
-def test_sigterm_saves_and_exits_then_resumes(tmp_path):
-  workdir = tmp_path / "run"
+def test_sigkill_then_sigterm_then_resume_equals_uninterrupted(tmp_path):
+  """One workdir, three processes: SIGKILLed between checkpoints with
+  shards on every device and nothing flushed (no handler, no cleanup, maybe
+  mid-write); rerun, it resumes (full tensors, cut again: sharding/state.py)
+  and gets SIGTERM, so it saves and exits with the variables of a run never
+  interrupted (a fourth process, alongside); rerun again (here in this
+  process), it finishes."""
+  workdir, whole = tmp_path / "run", tmp_path / "whole"
+  uninterrupted = _start(whole)
+  # Slowed down (sleeps only, same updates), so the signals land mid-run.
+  proc = _start(workdir, "--straggler=0:20")
+  try:
+    _wait_for_checkpoint(workdir, proc)
+  finally:
+    proc.kill()
+    proc.communicate(timeout=30)
+  killed_at = _latest(workdir)
   # The grace period is the watchdog's bound (it ends the process with 143
   # too, but without saving): generous, so only a hang would reach it.
-  proc = _start(workdir, "--train_steps=1000000", "--grace_period_s=60")
-  _wait_for_checkpoint(workdir, proc)
-  proc.send_signal(signal.SIGTERM)
-  _, err = proc.communicate(timeout=90)
+  proc = _start(workdir, "--straggler=0:20", "--grace_period_s=60")
+  try:
+    _wait_for_checkpoint(workdir, proc, after=killed_at)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=90)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
   assert proc.returncode == 143, err[-2000:]
   assert "Traceback" not in err
+  assert f"Resumed from {killed_at}." in err, err[-2000:]
   assert "SIGTERM at step " in err, err[-2000:]
   step = int(err.split("SIGTERM at step ")[1].split(";")[0])
-  assert step >= 25 and step % 5 == 0
-  assert tf.train.latest_checkpoint(str(workdir / "checkpoints")).endswith(
-      f"ckpt-{step}")
-  # Rerunning resumes from there (here in this process).
+  start = int(killed_at.rsplit("-", 1)[1])
+  assert start < step < SIGNAL_STEPS and step % 5 == 0
+  assert _latest(workdir).endswith(f"ckpt-{step}")
+  # Rerunning resumes from there (in this process, where op determinism
+  # would outlive the test).
   code, out, err = run_main(f"--flagfile={workdir / 'flags.txt'}",
-                            f"--train_steps={step + 5}", "--nodeterministic")
+                            "--nodeterministic", "--straggler=")
   assert code == 0, err
-  assert f"done: step {step + 5}" in out
-  assert tf.train.latest_checkpoint(str(workdir / "checkpoints")).endswith(
-      f"ckpt-{step + 5}")
-
-
-def test_sigkill_then_resume_equals_uninterrupted(tmp_path, small_config):
-  steps = 100
-  killed, whole = tmp_path / "killed", tmp_path / "whole"
-  uninterrupted = _start(whole, f"--train_steps={steps}")
-  # Slowed down (sleeps only, same updates), so the kill lands mid-run.
-  proc = _start(killed, f"--train_steps={steps}", "--straggler=0:20")
-  _wait_for_checkpoint(killed, proc)
-  proc.kill()  # SIGKILL: no handler, no cleanup, maybe mid-write.
-  proc.communicate(timeout=30)
-  resumed = _start(killed, f"--train_steps={steps}")
-  _, err = resumed.communicate(timeout=180)
-  assert resumed.returncode == 0, err[-2000:]
-  assert "Resumed from " in err, err[-2000:]
-  start = int(err.split("Resumed from ")[1].split("ckpt-")[1].split(".")[0])
-  assert 0 < start < steps  # It did resume, and trained after.
-  _, err = uninterrupted.communicate(timeout=180)
+  assert f"done: step {SIGNAL_STEPS}" in out
+  assert _latest(workdir).endswith(f"ckpt-{SIGNAL_STEPS}")
+  _, err = uninterrupted.communicate(timeout=300)
   assert uninterrupted.returncode == 0, err[-2000:]
-  cfg = small_config(global_batch_size=32, optimizer="adam")
-  a = checkpoint_variables(cfg.replace(workdir=str(killed)))
-  b = checkpoint_variables(cfg.replace(workdir=str(whole)))
-  assert max_diff(a, b) == 0.0
+  config = make_config(workdir=str(workdir), **SIGNAL_RUN)
+  path = f"checkpoints/ckpt-{step}"
+  assert max_diff(
+      checkpoints.load_model(config, str(workdir / path)).trainable_variables,
+      checkpoints.load_model(config, str(whole / path)).trainable_variables,
+  ) == 0.0
