@@ -5,7 +5,7 @@ depending only on its own gradients, so that communication can overlap the
 rest of the backward pass, and (2) change nothing in the math: bucketed
 equals one bucket, alone and crossed with accumulation, bf16 on the wire,
 mixed precision and resume. The multi-process crossing is in
-test_multiworker_buckets.py.
+test_multiworker.py.
 """
 
 import keras
