@@ -40,6 +40,16 @@ def variables(trainer):
   return [np.asarray(v) for v in trainer.model.trainable_variables]
 
 
+def initial_and_trained(config, steps):
+  """(initial, trained) variables of `steps` steps of `config`'s trainer."""
+  trainer = make_trainer(config)
+  start = variables(trainer)
+  trainer.train(steps)
+  end = variables(trainer)
+  trainer.close()
+  return start, end
+
+
 def replica_copies(trainer):
   """Every replica's copy of every trainable variable."""
   return [[t.numpy() for t in

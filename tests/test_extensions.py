@@ -16,7 +16,7 @@ from dist_loop.modes.pipeline import schedule as schedule_lib
 from experiments import flags as run_flags
 from experiments.extensions import eager_1f1b, exp_staleness, residual_cnn
 from experiments.extensions import single_device
-from helpers import make_trainer, variables
+from helpers import initial_and_trained
 
 
 def test_each_extension_is_registered_under_its_flag_value():
@@ -44,22 +44,13 @@ def test_eager_1f1b_order_and_memory():
           k_stages - k + 1, m)
 
 
-def _initial_and_trained(config, steps):
-  trainer = make_trainer(config)
-  start = variables(trainer)
-  trainer.train(steps)
-  end = variables(trainer)
-  trainer.close()
-  return start, end
-
-
 def test_residual_cnn_in_four_stages_with_eager_1f1b_equals_sync(
     small_config, tmp_path):
   common = dict(dataset="digits", model="residual_cnn", optimizer="adam",
                 learning_rate=0.003, global_batch_size=16)
-  start, sync = _initial_and_trained(
+  start, sync = initial_and_trained(
       small_config(workdir=str(tmp_path / "sync"), **common), 3)
-  _, piped = _initial_and_trained(small_config(
+  _, piped = initial_and_trained(small_config(
       workdir=str(tmp_path / "pipe"), mode="pipeline", num_devices=4,
       num_stages=4, stage_split="explicit", split_points="2,4,6",
       num_microbatches=4, pipeline_schedule="eager_1f1b",
@@ -133,11 +124,11 @@ def test_single_device_refuses_several_devices():
 
 def test_single_device_equals_sync_on_one_device(small_config, tmp_path):
   common = dict(optimizer="adam", learning_rate=0.01)
-  start, sync = _initial_and_trained(
+  start, sync = initial_and_trained(
       small_config(workdir=str(tmp_path / "sync"), **common), 4)
   assert max_diff(sync, start) > 1e-3
   for jit in (False, True):
-    _, single = _initial_and_trained(small_config(
+    _, single = initial_and_trained(small_config(
         workdir=str(tmp_path / f"single_{jit}"), mode="single_device",
         jit_compile=jit, **common), 4)
     assert max_diff(sync, single) <= 1e-5, jit

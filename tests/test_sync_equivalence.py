@@ -8,7 +8,7 @@ once per replica or micro-batch instead of once per step.
 """
 
 from conftest import max_diff
-from helpers import make_trainer, variables
+from helpers import initial_and_trained
 from test_step import REGULARISED_MODEL  # Registers the model.
 
 STEPS = 12
@@ -16,12 +16,7 @@ STEPS = 12
 
 def _train(config):
   """(initial, trained) variables of `STEPS` steps of `config`."""
-  trainer = make_trainer(config)
-  start = variables(trainer)
-  trainer.train(STEPS)
-  end = variables(trainer)
-  trainer.close()
-  return start, end
+  return initial_and_trained(config, STEPS)
 
 
 def test_four_devices_equal_one(small_config):
