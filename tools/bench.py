@@ -75,17 +75,26 @@ def verbosity() -> int:
   return 0 if flag.using_default_value else flag.value
 
 
-def run_suites(names, quick: bool) -> dict:
-  """Runs the named suites in order; returns the JSON-able results."""
+def run_suites(names, quick: bool, out_path: str) -> dict:
+  """Runs the named suites in order; prints each table and rewrites
+  `out_path` as each suite ends, so a long run stopped midway keeps the
+  suites it finished. Returns the JSON-able results."""
   from dist_loop import devices  # pylint: disable=g-import-not-at-top
   devices.configure(NUM_DEVICES, "cpu")
   names = list(SUITES) if "all" in names else names
   results = {"machine": machine(), "quick": quick, "suites": {}}
+  m = results["machine"]
+  print(f"# dist_loop benchmarks ({m['date']}; {m['cpu_count']} cores, "
+        f"{m['gpus']} GPUs, TensorFlow {m['tensorflow']})\n", flush=True)
   for name in names:
     t0 = time.time()
     out = importlib.import_module(SUITES[name]).run(quick=quick)
-    results["suites"][name] = {"rows": out["rows"], "table": out["table"],
-                               "seconds": time.time() - t0}
+    suite = {"rows": out["rows"], "table": out["table"],
+             "seconds": time.time() - t0}
+    results["suites"][name] = suite
+    print(f"## {name} ({suite['seconds']:.0f} s)\n\n{suite['table']}\n",
+          flush=True)
+    atomic_write_json(out_path, results)
   return results
 
 
@@ -96,13 +105,7 @@ def main(argv):
   # Python warnings (Keras fit's, in the overhead suite) are another
   # library's lines too: as log records, the console's filter sees them.
   logging.captureWarnings(True)
-  results = run_suites(FLAGS.suite, FLAGS.quick)
-  m = results["machine"]
-  print(f"# dist_loop benchmarks ({m['date']}; {m['cpu_count']} cores, "
-        f"{m['gpus']} GPUs, TensorFlow {m['tensorflow']})\n")
-  for name, suite in results["suites"].items():
-    print(f"## {name} ({suite['seconds']:.0f} s)\n\n{suite['table']}\n")
-  atomic_write_json(FLAGS.out, results)
+  run_suites(FLAGS.suite, FLAGS.quick, FLAGS.out)
   print(f"wrote {FLAGS.out}")
   sys.stdout.flush()
   sys.stderr.flush()

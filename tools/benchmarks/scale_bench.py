@@ -166,9 +166,13 @@ def run(quick: bool = False) -> dict:
     _start_groups(server, tempfile.mkdtemp(prefix="scale_bench_"), groups)
     rows, breakdown = [], []
     for model, (flags, batch, steps) in settings["models"].items():
+      t0 = time.monotonic()
       r, b = _model(groups, model, flags, batch, steps, settings)
       rows += r
       breakdown.append(b)
+      # Progress: the suite takes most of an hour on two cores.
+      print(f"scale: {model} done in {time.monotonic() - t0:.0f} s\n"
+            + "\n".join(targets(r)), file=sys.stderr, flush=True)
   finally:
     for group in groups.values():
       group.close()
