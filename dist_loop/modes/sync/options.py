@@ -7,7 +7,12 @@ from dist_loop.compression import COMPRESSORS
 from dist_loop.options import option
 from dist_loop.straggler import straggler_option
 
-# The default bucket: see `dist_loop/compression/base.py` (`Compressor`).
+# The default bucket (how buckets travel: `dist_loop/compression/base.py`).
+# 4 MB cuts the 3-8 MB gradients of the benchmark models into a few
+# buckets, so they can travel during the backward pass; DDP's 25 MB would
+# leave them in one. Across two processes on this project's 2-core machine
+# it measured within the spread of one bucket, and 1 MB buckets (one more
+# round trip each) slowest (docs/benchmarks.md, "Scaling across processes").
 BUCKET_MB = 4.0
 
 
