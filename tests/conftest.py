@@ -68,6 +68,17 @@ def pytest_timeout_cancel_timer(item):
   faulthandler.cancel_dump_traceback_later()
 
 
+@pytest.fixture(autouse=True)
+def _op_determinism_off_after_each_test():
+  """A `--deterministic` run turns op determinism on for its whole process
+  (`dist_loop/train.py`); in this shared process the next test must not
+  inherit it (it slows some kernels, and `tf.timestamp` fails under it)."""
+  yield
+  from tensorflow.python.framework import config as tf_config  # pylint: disable=g-import-not-at-top
+  if tf_config.is_op_determinism_enabled():
+    tf_config.disable_op_determinism()
+
+
 def checkpoint_variables(config):
   """The trainable variables of a run's latest checkpoint, as numpy."""
   from dist_loop import checkpoints  # pylint: disable=g-import-not-at-top

@@ -1,11 +1,13 @@
-r"""A finished run in TensorBoard, as a user sees it: headless Chromium.
+r"""A finished run in TensorBoard, as a user sees it: the real server, and
+its pages in headless Chromium.
 
-The test starts TensorBoard on the directory that holds a finished run,
-loads the Time Series and HParams pages in headless Chromium (Debian's
-`chromium` package; `.ci/run` installs it) and reads what they render
-through the DevTools protocol, over a pipe (`--remote-debugging-pipe`: no
-port, no WebSocket client). The HParams dashboard is built of shadow DOM,
-which `--dump-dom` leaves out; the protocol's `Runtime.evaluate` walks it.
+One TensorBoard server on the directory that holds a finished run (the run
+of tests/test_tensorboard.py, which checks its event files): its data API,
+then its Time Series and HParams pages in headless Chromium (Debian's
+`chromium`; `.ci/run` installs it), read through the DevTools protocol over
+a pipe (`--remote-debugging-pipe`: no port, no WebSocket client). The
+HParams dashboard is shadow DOM, which `--dump-dom` leaves out; the
+protocol's `Runtime.evaluate` walks it.
 
 Run as a script, it makes the README's screenshot (`make screenshots`):
 
@@ -34,8 +36,7 @@ FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
 WINDOW = (1280, 800)
 PAGE_TIMEOUT_S = 60
 SCREENSHOT = (1280, 620)  # The README's: the two charts, little else.
-# The train and eval curves of `loss` and `accuracy`, one card each, as
-# logged (no smoothing).
+# The train and eval curves of loss and accuracy, a card each, unsmoothed.
 TIME_SERIES = ("?smoothing=0&tagFilter="
                + urllib.parse.quote("^(loss|accuracy)$"))
 
@@ -151,7 +152,7 @@ class Chromium:
       found = value is not None and check(value)
       if found:
         return found
-      time.sleep(0.5)
+      time.sleep(0.2)
     raise AssertionError(f"the page did not show {what} within "
                          f"{PAGE_TIMEOUT_S}s; last seen: {value!r}"[:3000])
 
@@ -217,23 +218,30 @@ def open_time_series(browser, base, workdir_name):
 
 @pytest.fixture(scope="module")
 def served_run(tmp_path_factory):
-  """A finished run RUNS/demo, served by TensorBoard on RUNS."""
-  if find_chromium() is None:
-    pytest.skip("Chromium is not installed: Debian's package is `chromium` "
-                "(apt-get install -y chromium), which .ci/run installs")
-  import dist_loop  # pylint: disable=g-import-not-at-top
-  from test_tensorboard import serve  # pylint: disable=g-import-not-at-top
+  """(base URL, summary) of RUNS/demo (`train_demo`), served on RUNS."""
+  from test_tensorboard import serve, train_demo  # pylint: disable=g-import-not-at-top
   workdir = str(tmp_path_factory.mktemp("runs") / "demo")
-  summary = dist_loop.run(dist_loop.make_config(
-      workdir=workdir, dataset="synthetic", model="mlp", num_devices=1,
-      global_batch_size=32, train_steps=10, steps_per_loop=5, log_every=5,
-      eval_every=5, checkpoint_every=10))
-  with serve(os.path.dirname(workdir), "demo/tb/eval", "accuracy",
-             10) as base:
-    yield base, summary
+  summary = train_demo(workdir)
+  with serve(os.path.dirname(workdir), "demo/tb/eval", "accuracy", 10) as b:
+    yield b, summary
+
+
+def test_the_server_names_the_runs_after_the_workdir(served_run):
+  from test_tensorboard import get_json  # pylint: disable=g-import-not-at-top
+  api = served_run[0] + "/data/"
+  loss = get_json(api + "plugin/scalars/scalars?run=demo/tb/train&tag=loss")
+  assert [step for _, step, _ in loss] == [5, 10]
+  assert get_json(api + "runs") == ["demo/tb", "demo/tb/eval", "demo/tb/train"]
+  layout = get_json(api + "plugin/custom_scalars/layout")
+  assert [c["title"] for c in layout["category"]] == [
+      "train and eval", "throughput"]
+  assert get_json(api + "plugins_listing")["profile"]["enabled"]
 
 
 def test_time_series_and_hparams_pages_in_chromium(served_run, tmp_path):
+  if find_chromium() is None:
+    pytest.skip("Chromium is not installed: Debian's package is `chromium` "
+                "(apt-get install -y chromium), which .ci/run installs")
   base, summary = served_run
   with Chromium(find_chromium()) as browser:
     cards = open_time_series(browser, base, "demo")
@@ -267,8 +275,7 @@ def test_time_series_and_hparams_pages_in_chromium(served_run, tmp_path):
 
 def main(argv):
   """`python tests/test_browser.py WORKDIR OUT.png`: a screenshot of
-  WORKDIR's train and eval curves, served as `tensorboard --logdir` on its
-  parent shows them."""
+  WORKDIR's curves as `tensorboard --logdir` on its parent shows them."""
   if len(argv) != 3 or find_chromium() is None:
     print(__doc__ if len(argv) != 3 else "chromium is not installed",
           file=sys.stderr)

@@ -4,8 +4,27 @@ The entry point's flagfile reading, flag parsing and `main` run in this
 process (`run_command`, through `conftest.run_main`); the tests of what
 only a real process shows (Ctrl-C) start one. Hostile flag values and
 flagfiles: tests/test_flag_fuzz.py.
-"""
 
+Every flagfile is parsed into its Config and validated. These run end to
+end, through `main`, from another directory than the repository's:
+default.flags (sync, the CNN on digits, histograms), async_exp_staleness
+(async with an extension's policy), local_sgd, eager_1f1b (a pipeline with
+an extension's schedule, planned from traced costs as a user's run is),
+and sharded (the Transformer on pysource, the language-model task, under
+ZeRO-3 with AdamW: trained together nowhere else). The others build their
+trainer (model, data, devices, strategy, compressor, pipeline plan) as
+`train.run` does; what each adds to the runs above is trained by:
+async (--staleness_lr=inverse): test_async_policies.py; diloco (nesterov
+outer steps): test_local_sgd.py; multiworker: default.flags on one device,
+test_multiworker.py; pipeline, pipeline_auto, pipeline_hybrid,
+pipeline_interleaved, pipeline_zb_h1, pipeline_zbv (their schedules, the
+memory bound, 2 replicas of 2 stages): test_pipeline.py,
+test_pipeline_v2.py; powersgd, randomk: test_compression.py;
+residual_cnn_pipeline, single_device (--jit_compile): test_extensions.py;
+transformer (sharded.flags without ZeRO-3), transformer_pipeline:
+test_transformer_modes.py. ps.flags is checked against the cluster its
+launcher makes (tests/test_ps.py runs that mode's clusters).
+"""
 import dataclasses
 import errno
 import glob
@@ -24,8 +43,10 @@ from absl.testing import flagsaver
 
 import dist_loop
 from conftest import REPO, run_main
+from helpers import make_trainer
 from dist_loop import Config, configure, train
 from dist_loop import options as options_lib
+from dist_loop.modes.pipeline.trainer import PipelineTrainer
 from dist_loop import cluster as cluster_lib
 from experiments import flags as run_flags
 from experiments import train as entry
@@ -36,6 +57,9 @@ FLAGFILES = sorted(
     set(glob.glob(os.path.join(REPO, "experiments", "configs", "*.flags"))
         + glob.glob(os.path.join(REPO, "experiments", "extensions", "*.flags")))
     - {os.path.join(REPO, "experiments", "configs", "base.flags")})
+# The flagfiles run end to end (the module docstring says why these).
+END_TO_END = ("async_exp_staleness.flags", "default.flags", "eager_1f1b.flags",
+              "local_sgd.flags", "sharded.flags")
 SHORT_RUN = ["--train_steps=2", "--steps_per_loop=2", "--log_every=2",
              "--eval_every=2", "--checkpoint_every=2"]
 # TensorFlow fixes its thread pools when it starts, so a flagfile's run in
@@ -45,8 +69,8 @@ IN_PROCESS = ["--intra_op_threads=0", "--inter_op_threads=0"]
 SHORT_ROUNDS = {"diloco.flags": ["--sync_every=2"],
                 "local_sgd.flags": ["--sync_every=2"]}
 # Smaller sizes of the same run, so that it traces in seconds: the
-# Transformer's widths and context (its 2 blocks stay: a pipeline splits
-# them), and one micro-batch per stage, the fewest every schedule takes, of
+# Transformer's widths and context (and one block, unless a pipeline splits
+# its blocks), and one micro-batch per stage, the fewest every schedule takes, of
 # the flagfile's micro-batch size (its activation memory, which
 # pipeline_auto.flags bounds).
 SMALL_TRANSFORMER = ["--seq_len=16", "--d_model=16", "--num_heads=2",
@@ -58,6 +82,8 @@ def smaller(config):
   extra = []
   if config.model == "transformer":
     extra += SMALL_TRANSFORMER
+    if config.mode != "pipeline":
+      extra += ["--num_layers=1"]
   if config.mode == "pipeline":
     options = config.mode_options
     microbatch = config.global_batch_size // options.num_microbatches
@@ -104,26 +130,25 @@ def _cluster_of_this_process():
   run_flags.use_cluster(None)
 
 
-@pytest.mark.parametrize("flagfile", FLAGFILES, ids=os.path.basename)
-def test_every_flagfile_runs_end_to_end(flagfile, tmp_path, monkeypatch,
-                                        cluster_of_this_process):
+def _short_args(flagfile, workdir):
+  """The flagfile's command, as its header gives it, shortened."""
+  return [f"--flagfile={os.path.relpath(flagfile)}", f"--workdir={workdir}",
+          *SHORT_RUN, *SHORT_ROUNDS.get(os.path.basename(flagfile), [])]
+
+
+def test_the_flagfiles_run_end_to_end_exist():
+  assert set(END_TO_END) <= set(map(os.path.basename, FLAGFILES))
+
+
+@pytest.mark.parametrize("flagfile", [f for f in FLAGFILES if os.path.basename(
+    f) in END_TO_END], ids=os.path.basename)
+def test_a_flagfile_runs_end_to_end(flagfile, tmp_path, monkeypatch):
   """In one process, as its header's command says, from another directory
   than the repository's (nested flagfiles are found next to the file that
-  names them). A flagfile for a parameter-server cluster is checked against
-  the cluster its launcher makes, without running (tests/test_ps.py runs
-  that mode's clusters)."""
+  names them)."""
   monkeypatch.chdir(tmp_path)
   workdir = tmp_path / "run"
-  args = [f"--flagfile={os.path.relpath(flagfile)}", f"--workdir={workdir}",
-          *SHORT_RUN]
-  launcher = dict(a[2:].split("=") for a in launcher_args(flagfile) or ())
-  if int(launcher.get("num_ps", 0)):
-    spec = local_cluster.cluster_spec(int(launcher["num_workers"]),
-                                      int(launcher["num_ps"]))
-    cluster_of_this_process(cluster_lib.Cluster(spec, "chief", 0))
-    assert _parse_only(*args).mode == "ps"
-    return
-  args += SHORT_ROUNDS.get(os.path.basename(flagfile), [])
+  args = _short_args(flagfile, workdir)
   code, out, err = run_command(*args, *IN_PROCESS,
                                *smaller(_parse_only(*args)))
   assert code == 0, err
@@ -134,6 +159,38 @@ def test_every_flagfile_runs_end_to_end(flagfile, tmp_path, monkeypatch,
       "ckpt-2")
   assert (workdir / "summary.json").exists()
   assert "--train_steps=2\n" in (workdir / "flags.txt").read_text()
+
+
+@pytest.mark.parametrize("flagfile", [f for f in FLAGFILES if os.path.basename(
+    f) not in END_TO_END], ids=os.path.basename)
+def test_every_other_flagfile_parses_and_builds_its_trainer(
+    flagfile, tmp_path, monkeypatch, cluster_of_this_process):
+  """Parsed and validated from another directory, then its trainer built
+  as `train.run` builds it (a pipeline's plan from eager costs: the traced
+  measurement is eager_1f1b.flags' end to end). A flagfile for a
+  parameter-server cluster is checked against the cluster its launcher
+  makes, without building."""
+  monkeypatch.chdir(tmp_path)
+  args = _short_args(flagfile, tmp_path / "run")
+  launcher = dict(a[2:].split("=") for a in launcher_args(flagfile) or ())
+  if int(launcher.get("num_ps", 0)):
+    spec = local_cluster.cluster_spec(int(launcher["num_workers"]),
+                                      int(launcher["num_ps"]))
+    cluster_of_this_process(cluster_lib.Cluster(spec, "chief", 0))
+    assert _parse_only(*args).mode == "ps"
+    return
+  cluster_of_this_process(None)
+  config = _parse_only(*args, *IN_PROCESS, *smaller(_parse_only(*args)))
+  assert config.train_steps == 2
+  monkeypatch.setattr(PipelineTrainer, "cost_measurement", "eager")
+  trainer = make_trainer(config)
+  try:
+    assert len(trainer.devices) == config.num_devices
+    assert trainer.model.trainable_variables
+    assert int(trainer.step.numpy()) == 0
+  finally:
+    trainer.close()
+  assert not (tmp_path / "run").exists()
 
 
 COMPONENT_FIELDS = ("mode_options", "model_options", "dataset_options")

@@ -285,8 +285,8 @@ def test_workers_and_pss_serve_until_ctrl_c(monkeypatch, small_config):
 
 # -- a real cluster: a chief, workers and parameter servers --
 
-STEPS = 200
-KILL_WORKER_AT = 100
+STEPS = 100
+KILL_WORKER_AT = 40
 MAX_STALENESS = 0  # The tightest bound: every applied gradient is fresh.
 
 
@@ -324,7 +324,7 @@ def _processes(launcher):
 
 @pytest.fixture(scope="module")
 def killed_worker_run(tmp_path_factory):
-  """A float16 run of 200 steps on digits; worker:1 is killed at step 100.
+  """A float16 run of 100 steps on digits; worker:1 is killed at step 40.
 
   Two PSs: the variables are spread over both, and the lock on ps:0 still
   orders every update.

@@ -22,7 +22,7 @@ from dist_loop import strategy
 from dist_loop.cluster import Cluster, ClusterError
 from tools import local_cluster
 
-JOIN_TIMEOUT_S = 5
+JOIN_TIMEOUT_S = 2
 # Our lines only: time-stamped, or the final `error:` line.
 OUR_LINE = re.compile(r"^(\d\d:\d\d:\d\d |error: )")
 

@@ -1,6 +1,9 @@
-"""What a run shows in TensorBoard: read from its event files, and served
-by the real TensorBoard server (one test; tests/test_browser.py loads the
-pages in Chromium)."""
+"""What a run shows in TensorBoard, read from its event files.
+
+The real TensorBoard server serves the same run in tests/test_browser.py,
+which reads its data API and loads its pages in Chromium: one server start
+for both (`serve` and `train_demo` are shared from here).
+"""
 
 import contextlib
 import glob
@@ -67,23 +70,28 @@ def serve(logdir, ready_run, ready_tag, ready_step):
         raise AssertionError(
             f"tensorboard did not serve step {ready_step} of {ready_run} "
             f"{ready_tag} in time: " + err.decode()[-2000:])
-      time.sleep(0.5)
+      time.sleep(0.2)
     yield base
   finally:
     proc.kill()  # It only reads: nothing to lose, and SIGTERM takes seconds.
     proc.wait(timeout=30)
 
 
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory):
-  """A sync run on 2 devices in RUNS/demo; returns (workdir, summary)."""
-  workdir = str(tmp_path_factory.mktemp("runs") / "demo")
-  summary = train.run(make_config(
+def train_demo(workdir):
+  """A sync run on 2 devices in `workdir` (named `demo`), with histograms
+  and a profile; returns its summary."""
+  return train.run(make_config(
       workdir=workdir, dataset="synthetic", model="mlp", num_devices=2,
       global_batch_size=32, train_steps=10, steps_per_loop=5, log_every=5,
       eval_every=5, checkpoint_every=10, histogram_every=5,
       profile_steps="6,8"))
-  return workdir, summary
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+  """`train_demo` in RUNS/demo; returns (workdir, summary)."""
+  workdir = str(tmp_path_factory.mktemp("runs") / "demo")
+  return workdir, train_demo(workdir)
 
 
 @pytest.fixture(scope="module")
@@ -152,18 +160,3 @@ def test_the_profile_is_in_the_train_run(finished_run):
   runs = glob.glob(os.path.join(finished_run[0], LOGDIR, "train", "plugins",
                                 "profile", "*", "*.xplane.pb"))
   assert len(runs) == 1
-
-
-def test_the_server_names_the_runs_after_the_workdir(finished_run):
-  """The real server, once, on the directory that holds the workdir."""
-  workdir, _ = finished_run
-  with serve(os.path.dirname(workdir), "demo/tb/eval", "accuracy", 10) as base:
-    served = get_json(base + "/data/plugin/scalars/scalars?"
-                      "run=demo/tb/train&tag=loss")
-    assert [step for _, step, _ in served] == [5, 10]
-    assert get_json(base + "/data/runs") == [
-        "demo/tb", "demo/tb/eval", "demo/tb/train"]
-    layout = get_json(base + "/data/plugin/custom_scalars/layout")
-    assert [c["title"] for c in layout["category"]] == [
-        "train and eval", "throughput"]
-    assert get_json(base + "/data/plugins_listing")["profile"]["enabled"]

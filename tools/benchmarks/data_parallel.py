@@ -3,11 +3,12 @@ r"""Data-parallel overhead: step time on 1, 2 and 4 devices, same global batch.
     python -m tools.benchmarks.data_parallel [--quick]
 
 The seed CNN on digits, global batch 128, under `SyncTrainer`, on 1, 2 and 4
-logical CPU devices; on 2 and 4 in one bucket and in buckets of
-`BUCKET_MB` (`--allreduce_bucket_mb`), and with bf16 compression (`--quick`: the MLP, on 1 device and on 2 with both). Logical CPU devices share the same cores, so more of
-them do not add compute: the ratio to 1 device is the price of splitting the
-batch, running replicas and all-reducing. On GPUs the same table shows the
-scaling.
+logical CPU devices; on 2 and 4 in one bucket and in buckets of `BUCKET_MB`
+(`--allreduce_bucket_mb`), and with bf16 compression (`--quick`: the MLP, on
+1 device and on 2 with both, 2 steps a loop). Logical CPU devices share the
+same cores, so more of them do not add compute: the ratio to 1 device is the
+price of splitting the batch, running replicas and all-reducing. On GPUs the
+same table shows the scaling.
 """
 
 import os
@@ -27,31 +28,33 @@ VARIANTS = (  # (devices, bucket MB, compression)
     (4, 0, "none"), (4, BUCKET_MB, "none"), (4, 0, "bf16"),
 )
 QUICK_VARIANTS = ((1, 0, "none"), (2, BUCKET_MB, "bf16"))
+# (steps per loop, loops per round, rounds), full and quick.
+SIZES = {False: (STEPS_PER_LOOP, 5, 5), True: (2, 1, 1)}
 
 
 def run(quick: bool = False) -> dict:
   names = devices.configure(4, "cpu")
+  steps, loops, rounds = SIZES[quick]
   flat = dict(dataset="digits", model="mlp" if quick else "cnn",
               global_batch_size=GLOBAL_BATCH, optimizer="adam",
-              steps_per_loop=STEPS_PER_LOOP)
+              steps_per_loop=steps)
   split = data.load(config(**flat))
-  loops, rounds = (1, 1) if quick else (5, 5)
   timed, trainers = {}, []
   for n, bucket, compression in QUICK_VARIANTS if quick else VARIANTS:
     _, sync = trainer(names[:n], dict(
         flat, num_devices=n, allreduce_bucket_mb=bucket,
         allreduce_compression=compression), split)
-    sync.train(STEPS_PER_LOOP)  # Traces.
+    sync.train(steps)  # Traces.
     trainers.append(sync)
     timed[(n, bucket, compression)] = (
-        lambda t=sync: [t.train(STEPS_PER_LOOP) for _ in range(loops)])
+        lambda t=sync: [t.train(steps) for _ in range(loops)])
   seconds = interleaved_medians(timed, rounds)
   for t in trainers:
     t.close()
   base = seconds[(1, 0, "none")]
   rows = []
   for (n, bucket, compression), s in seconds.items():
-    step_ms = 1000 * s / (loops * STEPS_PER_LOOP)
+    step_ms = 1000 * s / (loops * steps)
     rows.append({"model": flat["model"], "devices": n, "bucket MB": bucket,
                  "compression": compression, "step ms": step_ms,
                  "vs 1 device": s / base})

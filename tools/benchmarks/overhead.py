@@ -2,11 +2,11 @@ r"""Framework overhead: dist_loop's sync step against Keras fit and a bare loop.
 
     python -m tools.benchmarks.overhead [--quick]
 
-The seed CNN on digits (the MLP with `--quick`), and the byte Transformer
-(`--model=transformer`, 2 blocks of 64 on 64-byte windows of `pysource`;
-tiny with `--quick`), each on 1 and 2 logical devices under
-MirroredStrategy, the same model (`models.build_for` of the same Config),
-the same global batch and the same input pipeline, with
+The seed CNN on digits, and the byte Transformer (`--model=transformer`, 2
+blocks of 64 on 64-byte windows of `pysource`), each on 1 and 2 logical
+devices under MirroredStrategy (`--quick`: the MLP on 2 devices and a tiny
+Transformer on 1, 2 steps a loop), the same model (`models.build_for` of the
+same Config), the same global batch and the same input pipeline, with
 `steps_per_execution` of fit equal to our `steps_per_loop`. Three loops:
 
 * dist_loop: `SyncTrainer.train(steps_per_loop)`, as the controller calls it
@@ -37,6 +37,14 @@ from tools.benchmarks import common  # pylint: disable=g-import-not-at-top
 GLOBAL_BATCH = 64
 STEPS_PER_LOOP = 20
 LEARNING_RATE = 1e-3
+# (models and device counts, steps per loop, loops per round, rounds), full
+# and quick. Quick is a smoke run of the harness: each model and each
+# device count once (1 device takes fit's steps_per_execution > 1, 2 the
+# multi-replica path; the Transformer on 1, where it traces fastest), two
+# steps a loop.
+SIZES = {False: (tuple((m, n) for m in ("cnn", "transformer")
+                       for n in (1, 2)), STEPS_PER_LOOP, 10, 5),
+         True: ((("mlp", 2), ("transformer", 1)), 2, 1, 1)}
 
 
 # The Transformer's flags, full and quick.
@@ -50,7 +58,7 @@ def _flags(model, quick=False):
   extra = (dict(TRANSFORMER[quick], model="transformer")
            if model == "transformer" else dict(dataset="digits", model=model))
   return dict(global_batch_size=GLOBAL_BATCH, optimizer="adam",
-              learning_rate=LEARNING_RATE, steps_per_loop=STEPS_PER_LOOP,
+              learning_rate=LEARNING_RATE, steps_per_loop=SIZES[quick][1],
               **extra)
 
 
@@ -62,22 +70,24 @@ def _model(flags, split):
 def _dist_loop(names, flags, split, loops):
   _, trainer = common.trainer(names, {**flags, "num_devices": len(names)},
                               split)
-  trainer.train(STEPS_PER_LOOP)  # Traces.
+  steps = flags["steps_per_loop"]
+  trainer.train(steps)  # Traces.
 
   def run():
     for _ in range(loops):
-      trainer.train(STEPS_PER_LOOP)
+      trainer.train(steps)
   return run
 
 
-def fit_steps_per_execution(num_devices):
+def fit_steps_per_execution(num_devices, steps_per_loop):
   """Keras 3.15 fit fails with steps_per_execution > 1 under a
   MirroredStrategy of several replicas ("You must feed a value for
   placeholder tensor", keras-team/keras#19246): there it gets 1."""
-  return STEPS_PER_LOOP if num_devices == 1 else 1
+  return steps_per_loop if num_devices == 1 else 1
 
 
 def _keras_fit(names, flags, split, loops):
+  steps = flags["steps_per_loop"]
   strategy = strategy_lib.mirrored(names)
   fn = stream.train_dataset_fn(split.train_x, split.train_y, GLOBAL_BATCH,
                                seed=0)
@@ -89,12 +99,12 @@ def _keras_fit(names, flags, split, loops):
                   loss=keras.losses.SparseCategoricalCrossentropy(
                       from_logits=True),
                   metrics=["accuracy"],
-                  steps_per_execution=fit_steps_per_execution(len(names)))
-  model.fit(dataset, epochs=1, steps_per_epoch=2 * STEPS_PER_LOOP, verbose=0)
+                  steps_per_execution=fit_steps_per_execution(len(names),
+                                                              steps))
+  model.fit(dataset, epochs=1, steps_per_epoch=2 * steps, verbose=0)
 
   def run():
-    model.fit(dataset, epochs=1, steps_per_epoch=loops * STEPS_PER_LOOP,
-              verbose=0)
+    model.fit(dataset, epochs=1, steps_per_epoch=loops * steps, verbose=0)
   return run
 
 
@@ -122,22 +132,22 @@ def _bare(names, flags, split, loops):
     for _ in tf.range(n):
       strategy.run(replica_step, args=next(iterator))
 
-  loop(tf.constant(STEPS_PER_LOOP))
+  steps = tf.constant(flags["steps_per_loop"])
+  loop(steps)
 
   def run():
     for _ in range(loops):
-      loop(tf.constant(STEPS_PER_LOOP))
+      loop(steps)
   return run
 
 
 def run(quick: bool = False) -> dict:
   """Examples/sec of the three loops on 1 and 2 devices, and their ratios."""
   names = devices.configure(2, "cpu")
-  loops, rounds = (1, 1) if quick else (10, 5)
-  examples = loops * STEPS_PER_LOOP * GLOBAL_BATCH
+  models, steps, loops, rounds = SIZES[quick]
+  examples = loops * steps * GLOBAL_BATCH
   rows = []
-  for model, n in [(m, n) for m in ("mlp" if quick else "cnn", "transformer")
-                   for n in (1, 2)]:
+  for model, n in models:
     flags = _flags(model, quick)
     split = data.load(common.config(**flags))
     variants = {name: build(names[:n], flags, split, loops) for name, build in
@@ -150,8 +160,8 @@ def run(quick: bool = False) -> dict:
     vs = {other: [b / a for a, b in zip(times["dist_loop"], times[other])]
           for other in ("keras_fit", "bare")}
     rows.append({"model": model, "devices": n,
-                 "steps_per_loop": STEPS_PER_LOOP,
-                 "fit steps_per_execution": fit_steps_per_execution(n),
+                 "steps_per_loop": steps,
+                 "fit steps_per_execution": fit_steps_per_execution(n, steps),
                  "dist_loop ex/s": rate["dist_loop"],
                  "keras_fit ex/s": rate["keras_fit"],
                  "bare ex/s": rate["bare"],
