@@ -5,6 +5,8 @@ never reads a half-written file, never hangs, and resumes to the same
 variables as a run that was never interrupted.
 """
 
+import glob
+import logging
 import os
 import signal
 import subprocess
@@ -80,24 +82,29 @@ def test_rollback_gives_up_after_max_rollbacks(small_config):
 
 
 # Every mode that can roll back; async with one worker, whose updates are
-# sequential SGD, so that the two runs can be compared exactly.
+# sequential SGD, so that the two runs can be compared exactly. The pipeline
+# runs --deterministic: its planner then times the layers eagerly, which is
+# quicker to start than timing traced chunks (not what is tested here).
 ROLLBACK_MODES = {
     "sync": (sync.SyncTrainer, dict(num_devices=2)),
     "pipeline": (PipelineTrainer, dict(mode="pipeline", num_devices=2,
-                                       num_stages=2, num_microbatches=2)),
+                                       num_stages=2, num_microbatches=2,
+                                       deterministic=True)),
     "async": (AsyncTrainer, dict(mode="async", num_devices=1,
                                  async_workers=1)),
 }
+ROLLBACK_RUN = dict(train_steps=12, checkpoint_every=4, steps_per_loop=2,
+                    log_every=2, optimizer="adam", learning_rate=0.01,
+                    nonfinite="rollback")
 
 
-@pytest.mark.parametrize("mode", sorted(ROLLBACK_MODES))
-def test_transient_nonfinite_rollback_equals_uninterrupted(
-    small_config, tmp_path, monkeypatch, mode):
+def _rollback(mode, small_config, tmp_path, monkeypatch):
+  """An uninterrupted run and one whose 4th inner loop fails once after
+  its updates: the second rolls back once and must end where the first
+  did. Returns both configs."""
   trainer_class, extra = ROLLBACK_MODES[mode]
-  common = dict(train_steps=12, checkpoint_every=4, steps_per_loop=2,
-                log_every=2, optimizer="adam", learning_rate=0.01,
-                nonfinite="rollback", **extra)
-  clean = small_config(workdir=str(tmp_path / "clean"), **common)
+  clean = small_config(workdir=str(tmp_path / "clean"), **ROLLBACK_RUN,
+                       **extra)
   train.run(clean)
   original = trainer_class.train
   calls = []
@@ -112,24 +119,32 @@ def test_transient_nonfinite_rollback_equals_uninterrupted(
     return original(self, n)
 
   monkeypatch.setattr(trainer_class, "train", flaky)
-  faulty = small_config(workdir=str(tmp_path / "faulty"), **common)
+  faulty = small_config(workdir=str(tmp_path / "faulty"), **ROLLBACK_RUN,
+                        **extra)
   summary = train.run(faulty)
   assert summary["rollbacks"] == 1 and summary["final_step"] == 12
   assert max_diff(checkpoint_variables(clean),
                   checkpoint_variables(faulty)) <= 1e-6
+  return clean, faulty
 
 
-def test_corrupt_latest_checkpoint_falls_back(small_config, tmp_path,
-                                              monkeypatch):
-  common = dict(optimizer="adam", learning_rate=0.01, checkpoint_every=2,
-                steps_per_loop=2, log_every=2, max_checkpoints=5)
-  whole = small_config(workdir=str(tmp_path / "whole"), train_steps=8,
-                       **common)
-  train.run(whole)
-  part = small_config(workdir=str(tmp_path / "part"), train_steps=6, **common)
-  train.run(part)
-  data_file = os.path.join(part.workdir, "checkpoints",
-                           "ckpt-6.data-00000-of-00001")
+# Sync is the third mode: test_sync_rolls_back_falls_back_and_keeps_its_layout.
+@pytest.mark.parametrize("mode", ["async", "pipeline"])
+def test_transient_nonfinite_rollback_equals_uninterrupted(
+    small_config, tmp_path, monkeypatch, mode):
+  _rollback(mode, small_config, tmp_path, monkeypatch)
+
+
+def test_sync_rolls_back_falls_back_and_keeps_its_layout(
+    small_config, tmp_path, monkeypatch):
+  """One sync run (two devices) for three stories: a transient non-finite
+  loop rolled back equals the uninterrupted run; its corrupt latest
+  checkpoint is skipped for the one before, and the rerun ends as the
+  uninterrupted run (a schedule flag changed on the way, which needs no
+  permission); a change of layout is refused, untouched, unless allowed."""
+  clean, faulty = _rollback("sync", small_config, tmp_path, monkeypatch)
+  ckpt_dir = os.path.join(faulty.workdir, "checkpoints")
+  data_file = glob.glob(os.path.join(ckpt_dir, "ckpt-12.data-*"))[0]
   with open(data_file, "r+b") as f:
     f.truncate(os.path.getsize(data_file) // 2)
   restored = []  # (path, the step counter right after the restore)
@@ -141,13 +156,21 @@ def test_corrupt_latest_checkpoint_falls_back(small_config, tmp_path,
     return path
 
   monkeypatch.setattr(checkpoints.Checkpointer, "restore", spy)
-  summary = train.run(part.replace(train_steps=8))
-  # It resumed from ckpt-4 (a restart from step 0 would end the same).
-  assert restored == [(os.path.join(part.workdir, "checkpoints", "ckpt-4"),
-                       4)]
-  assert summary["final_step"] == 8
-  assert max_diff(checkpoint_variables(whole),
-                  checkpoint_variables(part)) <= 1e-6
+  summary = train.run(faulty.replace(log_every=4))
+  # It resumed from ckpt-8 (a restart from step 0 would end the same).
+  assert restored == [(os.path.join(ckpt_dir, "ckpt-8"), 8)]
+  assert summary["final_step"] == 12
+  assert max_diff(checkpoint_variables(clean),
+                  checkpoint_variables(faulty)) <= 1e-6
+  with open(os.path.join(faulty.workdir, "flags.txt")) as f:
+    before = f.read()
+  with pytest.raises(UserError, match="--num_devices: 2 -> 1"):
+    train.run(faulty.replace(num_devices=1, train_steps=14))
+  with open(os.path.join(faulty.workdir, "flags.txt")) as f:
+    assert f.read() == before  # Refused before touching anything.
+  summary = train.run(faulty.replace(num_devices=1, train_steps=14,
+                                     allow_config_change=True))
+  assert summary["final_step"] == 14
 
 
 def test_a_runtime_error_anywhere_in_the_run_is_explained_by_the_mode(
@@ -173,24 +196,6 @@ def test_a_runtime_error_anywhere_in_the_run_is_explained_by_the_mode(
     train.run(cfg.replace(workdir=cfg.workdir + "_2"))
 
 
-def test_layout_change_is_refused_unless_allowed(small_config):
-  cfg = small_config(train_steps=2, steps_per_loop=2, log_every=2)
-  train.run(cfg)
-  with open(os.path.join(cfg.workdir, "flags.txt")) as f:
-    before = f.read()
-  with pytest.raises(UserError, match="--num_devices: 1 -> 2"):
-    train.run(cfg.replace(num_devices=2, train_steps=4))
-  with open(os.path.join(cfg.workdir, "flags.txt")) as f:
-    assert f.read() == before  # Refused before touching anything.
-  summary = train.run(cfg.replace(num_devices=2, train_steps=4,
-                                  allow_config_change=True))
-  assert summary["final_step"] == 4
-  # Other flags (here the schedule) may change freely.
-  train.run(cfg.replace(num_devices=2, train_steps=6, log_every=3,
-                        allow_config_change=True).replace(
-                            allow_config_change=False))
-
-
 # The signals' chain: sharded state (ZeRO-2) on two devices, --deterministic.
 SIGNAL_STEPS = 30
 SIGNAL_RUN = dict(dataset="synthetic", model="mlp", global_batch_size=32,
@@ -199,14 +204,17 @@ SIGNAL_RUN = dict(dataset="synthetic", model="mlp", global_batch_size=32,
                   num_devices=2, shard="gradients", max_checkpoints=100)
 
 
-def _start(workdir, *extra):
-  args = [sys.executable, "-m", "experiments.train",
-          *[f"--{k}={v}" for k, v in SIGNAL_RUN.items()],
+def _args(workdir, *extra):
+  return [*[f"--{k}={v}" for k, v in SIGNAL_RUN.items()],
           f"--train_steps={SIGNAL_STEPS}", "--deterministic",
           f"--workdir={workdir}", *extra]
-  return subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True,
-                          env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+
+
+def _start(workdir, *extra):
+  return subprocess.Popen(
+      [sys.executable, "-m", "experiments.train", *_args(workdir, *extra)],
+      cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+      env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
 
 
 def _latest(workdir):
@@ -247,13 +255,48 @@ class _KillAtCheckpoint(threading.Thread):
       raise self.error
 
 
-def test_sigkill_then_sigterm_then_resume_equals_uninterrupted(tmp_path):
-  """One workdir, two processes: SIGKILLed between checkpoints with shards
-  on every device and nothing flushed (no handler, no cleanup, maybe
-  mid-write); rerun, it resumes (full tensors, cut again: sharding/state.py)
-  and gets SIGTERM, so it saves and exits with the variables of a run never
-  interrupted (trained here, with the same op determinism, while the first
-  process starts); rerun again (here too), it finishes."""
+class _SigtermAtCheckpoint(threading.Thread):
+  """SIGTERM to this process once the run in its main thread saved a
+  checkpoint other than `after`; gives up when told the run ended."""
+
+  def __init__(self, workdir, after, timeout=300):
+    super().__init__(daemon=True)
+    self.workdir, self.after, self.timeout = workdir, after, timeout
+    self.ended, self.sent = threading.Event(), False
+    self.start()
+
+  def run(self):
+    deadline = time.time() + self.timeout
+    while not self.ended.is_set() and time.time() < deadline:
+      if _latest(self.workdir) not in (None, self.after):
+        os.kill(os.getpid(), signal.SIGTERM)
+        self.sent = True
+        return
+      time.sleep(0.05)
+
+  def wait(self):
+    self.ended.set()
+    self.join(timeout=30)
+    assert not self.is_alive(), "the watcher did not end"
+
+
+def _cancel_watchdogs():
+  for thread in threading.enumerate():
+    if (isinstance(thread, threading.Timer)
+        and getattr(thread.function, "__name__", "") == "_grace_over"):
+      thread.cancel()
+
+
+def test_sigkill_then_sigterm_then_resume_equals_uninterrupted(tmp_path,
+                                                               caplog):
+  """One workdir: a process SIGKILLed between checkpoints with shards on
+  every device and nothing flushed (no handler, no cleanup, maybe
+  mid-write); rerun (in this process, through the entry point), it resumes
+  (full tensors, cut again: sharding/state.py) and gets SIGTERM, so it saves
+  and stops with the variables of a run never interrupted (trained here,
+  with the same op determinism, while the first process starts); rerun
+  again, it finishes. That a preempted process exits with 143 is
+  test_multiworker.py's (its launcher ends with its worker's code)."""
   workdir, whole = tmp_path / "run", tmp_path / "whole"
   # Slowed down (sleeps only, same updates), so the signals land mid-run.
   proc = _start(workdir, "--straggler=0:20")
@@ -269,27 +312,37 @@ def test_sigkill_then_sigterm_then_resume_equals_uninterrupted(tmp_path):
     proc.kill()
     proc.communicate(timeout=30)
   killed_at = _latest(workdir)
-  # The grace period is the watchdog's bound (it ends the process with 143
-  # too, but without saving): generous, so only a hang would reach it.
-  proc = _start(workdir, "--straggler=0:20", "--grace_period_s=60")
+  # A SIGTERM that came too late for the run is recorded here instead of
+  # ending the test process. The grace period's watchdog is generous, so
+  # only a hang would reach it; it outlives the run (it bounds a process's
+  # teardown), and is cancelled here before it could end this process.
+  late = []
+  previous = signal.signal(signal.SIGTERM, lambda *_: late.append(True))
   try:
-    _wait_for_checkpoint(workdir, proc, after=killed_at)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=90)
+    terminator = _SigtermAtCheckpoint(workdir, killed_at)
+    try:
+      # --verbosity=0 as a new process has it: the log's INFO lines kept.
+      with caplog.at_level(logging.INFO, logger="absl"):
+        code, out, err = run_main(*_args(workdir, "--straggler=0:20",
+                                         "--grace_period_s=60",
+                                         "--verbosity=0"))
+    finally:
+      terminator.wait()
+      _cancel_watchdogs()
+      tf_config.disable_op_determinism()
   finally:
-    if proc.poll() is None:
-      proc.kill()
-      proc.wait()
-  assert proc.returncode == 143, err[-2000:]
+    signal.signal(signal.SIGTERM, previous)
+  assert terminator.sent and not late, (code, err[-2000:])
+  assert code == 143, err[-2000:]
   assert "Traceback" not in err
-  assert f"Resumed from {killed_at}." in err, err[-2000:]
+  assert f"Resumed from {killed_at}." in caplog.text, caplog.text[-2000:]
   assert "SIGTERM at step " in err, err[-2000:]
   step = int(err.split("SIGTERM at step ")[1].split(";")[0])
   start = int(killed_at.rsplit("-", 1)[1])
   assert start < step < SIGNAL_STEPS and step % 5 == 0
   assert _latest(workdir).endswith(f"ckpt-{step}")
-  # Rerunning resumes from there (in this process, without op determinism,
-  # which is process-wide).
+  # Rerunning resumes from there (without op determinism, which is
+  # process-wide).
   code, out, err = run_main(f"--flagfile={workdir / 'flags.txt'}",
                             "--nodeterministic", "--straggler=")
   assert code == 0, err

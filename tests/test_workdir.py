@@ -3,8 +3,9 @@
 Every way a user can leave a workdir ends either in a resume from what can
 still be read, or in one `error:` line with the workdir exactly as it was:
 never in a traceback, never in a half-rewritten run. The runs go through the
-entry point in this process (`conftest.run_main`); one test starts a new
-process, for the exit code and the absence of a traceback.
+entry point in this process (`conftest.run_main`); the exit code and the
+absence of a traceback in a new process are test_startup.py's (its workers
+end with an error found while running).
 """
 
 import errno
@@ -18,7 +19,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, run_main, run_train
+from conftest import REPO, run_main
 from dist_loop.actions import summary as summary_action
 from dist_loop import train, workdir
 from dist_loop.errors import UserError
@@ -251,18 +252,17 @@ def test_each_process_of_a_multi_worker_run_has_its_own_lock():
   assert workdir.lock_name("worker", 1, False) == "lock.worker-1"
 
 
-def test_the_refused_command_exits_1_in_one_line_without_a_traceback(
-    tmp_path):
-  """The one new process: the lock is held by this one. Also the entry
-  point's check that an error found while running (not while parsing
-  flags) exits 1 in one line, as a new process shows it."""
+def test_the_refused_command_exits_1_in_one_line(tmp_path):
+  """Through the entry point: the lock is held by this process, as by
+  another run. (That an error found while running, not while parsing flags,
+  exits 1 in one line without a traceback in a new process is shown by
+  test_startup.py's workers, which fail to join their cluster.)"""
   run = tmp_path / "run"
   with workdir.Lock(str(run)):
-    result = run_train(*RUN, f"--workdir={run}", "--train_steps=2",
-                       timeout=120)
-  assert result.returncode == 1, result.stderr[-3000:]
-  assert "Traceback" not in result.stderr
-  errors = [l for l in result.stderr.splitlines() if l.startswith("error:")]
-  assert len(errors) == 1, result.stderr[-3000:]
+    code, out, err = run_main(*RUN, f"--workdir={run}", "--train_steps=2")
+  assert code == 1, err[-3000:]
+  assert not out and "Traceback" not in err
+  errors = [l for l in err.splitlines() if l.startswith("error:")]
+  assert len(errors) == 1 and err.strip() == errors[0], err[-3000:]
   assert f"in use by another run (pid {os.getpid()}," in errors[0]
   assert not run.exists()  # Created for the lock, removed with it.
