@@ -8,12 +8,14 @@ mixed precision and resume. The multi-process crossing is in
 test_multiworker.py.
 """
 
+import os
+
 import keras
 import pytest
 import tensorflow as tf
 
-from conftest import max_diff, trained_variables
-from dist_loop import configure, data, devices
+from conftest import max_diff, read_events, trained_variables
+from dist_loop import checkpoints, configure, data, devices
 from dist_loop.cluster import Cluster
 from dist_loop.errors import UserError
 from dist_loop.modes import build_trainer
@@ -108,18 +110,25 @@ def test_bucketed_equals_one_bucket(runs):
 
 def test_bucketed_and_resumed_equals_one_bucket_with_accumulation_and_bf16(
     small_config):
+  """One bucket for 10 steps uninterrupted, its checkpoint of step 5 kept;
+  a bucketed run resumes from that checkpoint for steps 6 to 10."""
   crossing = dict(num_devices=2, grad_accum_steps=2,
                   allreduce_compression="bf16", precision="mixed_bfloat16",
                   optimizer="adam", learning_rate=0.01)
-  one = make_trainer(small_config(allreduce_bucket_mb=0, **crossing))
-  one.train(10)
-  uninterrupted = variables(one)
-  one.close()
-  half = small_config(allreduce_bucket_mb=TINY_BUCKET_MB, train_steps=5,
-                      checkpoint_every=5, **crossing)
-  trained_variables(half)
-  resumed = trained_variables(half.replace(train_steps=10))
+  one = small_config(allreduce_bucket_mb=0, **crossing)
+  trainer = make_trainer(one)
+  trainer.train(5)
+  checkpoints.manager(trainer.checkpoint_items(), one.workdir, 1).save(
+      checkpoint_number=5)
+  trainer.train(5)
+  uninterrupted = variables(trainer)
+  trainer.close()
+  resumed = trained_variables(small_config(
+      allreduce_bucket_mb=TINY_BUCKET_MB, **crossing))
   assert max_diff(uninterrupted, resumed) <= 1e-6
+  # It resumed: its only log line (every 5 steps) is step 10's.
+  assert set(read_events(os.path.join(one.workdir, "tb"))["train/loss"]) == {
+      10}
 
 
 @pytest.mark.parametrize("compression", ["powersgd", "topk"])

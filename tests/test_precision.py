@@ -5,11 +5,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from dist_loop import configure, make_config, train
+from dist_loop import configure, make_config
 from dist_loop.cluster import Cluster
 from dist_loop.errors import UserError
 from dist_loop.evaluation import Evaluator
 from dist_loop.modes import MODES, Trainer
+from dist_loop.modes.base import Reporting
+from dist_loop.modes.pipeline.trainer import PipelineTrainer
 from dist_loop.precision import PRECISIONS, DynamicLossScale
 from helpers import make_trainer, replica_copies
 
@@ -19,32 +21,36 @@ DIGITS = dict(dataset="digits", model="mlp", optimizer="adam",
               checkpoint_every=150, seed=0)
 
 
-def _sync_accuracy(workdir, precision):
-  """Eval accuracy of 150 sync steps on digits, trained in this process."""
+def _accuracy(workdir, precision, **mode):
+  """(eval accuracy, the trainer's summary) of 150 steps on digits, trained
+  in this process (sync unless `mode` says otherwise)."""
   trainer = make_trainer(make_config(workdir=workdir, precision=precision,
-                                     **DIGITS))
+                                     **DIGITS, **mode))
   trainer.train(DIGITS["train_steps"])
   with trainer.scope():
     accuracy = Evaluator(trainer.model, trainer.dataset, 256,
                          trainer.task).evaluate()["eval/accuracy"]
+  summary = trainer.summary() if isinstance(trainer, Reporting) else {}
   trainer.close()
-  return accuracy
+  return accuracy, summary
 
 
 @pytest.fixture(name="float32_accuracy", scope="module")
 def _float32_accuracy(tmp_path_factory):
-  return _sync_accuracy(str(tmp_path_factory.mktemp("f32")), "float32")
+  return _accuracy(str(tmp_path_factory.mktemp("f32")), "float32")[0]
 
 
 def test_sync_learns_digits_in_every_precision(float32_accuracy, tmp_path):
   assert float32_accuracy > 0.9
   for precision in ("mixed_bfloat16", "mixed_float16"):
-    accuracy = _sync_accuracy(str(tmp_path / precision), precision)
+    accuracy, _ = _accuracy(str(tmp_path / precision), precision)
     assert abs(accuracy - float32_accuracy) <= 0.01, (precision, accuracy)
 
 
 def test_mixed_precision_in_pipeline_and_async_modes(float32_accuracy,
-                                                    tmp_path):
+                                                    tmp_path, monkeypatch):
+  # The traced measurement of layer costs is test_pipeline_v2.py's.
+  monkeypatch.setattr(PipelineTrainer, "cost_measurement", "eager")
   # float16 in the pipeline is test_pipeline.py's digits run.
   for name, precision, extra in (
       ("pipeline", "mixed_bfloat16", dict(
@@ -56,12 +62,11 @@ def test_mixed_precision_in_pipeline_and_async_modes(float32_accuracy,
                                        async_workers=1)),
       ("async", "mixed_float16", dict(mode="async", num_devices=2,
                                       async_workers=1))):
-    cfg = make_config(workdir=str(tmp_path / f"{name}_{precision}"),
-                      precision=precision, **DIGITS, **extra)
-    summary = train.run(cfg)
+    accuracy, summary = _accuracy(str(tmp_path / f"{name}_{precision}"),
+                                  precision, **extra)
     # A pipeline step is a sync step, and so is a 1-worker async update.
-    assert abs(summary["eval_accuracy"] - float32_accuracy) <= 0.01, (
-        name, precision, summary["eval_accuracy"])
+    assert abs(accuracy - float32_accuracy) <= 0.01, (name, precision,
+                                                      accuracy)
     if name == "async":
       assert summary["async_applied"] == DIGITS["train_steps"]
 
