@@ -6,7 +6,8 @@
   shard, with its own optimizer state; a synchronisation is the outer
   optimizer's step on the mean pseudo-gradient, and every replica restarts
   from its result.
-* A resume mid-period equals the uninterrupted run.
+* A resume mid-period equals the uninterrupted run (in the same test as
+  the one above: one uninterrupted trainer answers both).
 """
 
 import keras
@@ -55,7 +56,8 @@ def test_h1_average_lr1_with_accumulation_equals_sync(small_config):
   # One trainer pair checks both equalities: H=1 is sync, and a local step
   # of 2 accumulated micro-batches of 16 is one of the whole batch of 32
   # (a wrong accumulation or a wrong synchronisation moves the variables).
-  sync = _trainer(small_config(num_devices=2, global_batch_size=32))
+  # Sync on one device: N devices equal one (test_sync_equivalence.py).
+  sync = _trainer(small_config(num_devices=1, global_batch_size=32))
   sync.train(12)
   local = _trainer(small_config(mode="local_sgd", num_devices=2,
                                 sync_every=1, global_batch_size=16,
@@ -109,8 +111,22 @@ class _Alone:
       self.optimizer.apply(grads, self.model.trainable_variables)
 
 
-def test_replicas_train_alone_between_syncs_and_diloco_syncs(
-    small_config, monkeypatch):
+def _state(trainer):
+  """Everything a resume must restore: the synchronised variables, every
+  replica's variables and optimizer slots, and the outer optimizer's."""
+  return (_synced(trainer)
+          + sum(_components(trainer, trainer.replica_model.variables), [])
+          + sum(_components(trainer, trainer.optimizer.variables), [])
+          + [np.asarray(v) for v in trainer.outer_optimizer.variables])
+
+
+def test_replicas_train_alone_between_syncs_and_a_resume_mid_period(
+    small_config, monkeypatch, tmp_path):
+  # One trainer answers both: between synchronisations each replica trains
+  # as it would alone and DiLoCo's outer step is Nesterov's on the mean
+  # pseudo-gradient; and a checkpoint saved mid-period (step 7, the
+  # replicas diverged) resumes to the same state at step 12 as it reaches
+  # uninterrupted, across the synchronisations at 8 and 12.
   reduced = []  # The elements of each all-reduce, as each replica traces it.
   gathered = []  # The same for each all-gather.
   original = tf.distribute.ReplicaContext.all_reduce
@@ -130,10 +146,14 @@ def test_replicas_train_alone_between_syncs_and_diloco_syncs(
   monkeypatch.setattr(tf.distribute.ReplicaContext, "all_reduce", spy)
   monkeypatch.setattr(tf.distribute.ReplicaContext, "all_gather", spy_gather)
   lr, mu = 0.7, 0.9
-  trainer = _trainer(small_config(
-      **LOCAL, sync_every=4, train_steps=8, optimizer="adam",
-      learning_rate=0.01, outer_optimizer="nesterov",
-      outer_learning_rate=lr, outer_momentum=mu))
+
+  def make(name):
+    return _trainer(small_config(
+        **LOCAL, workdir=str(tmp_path / name), sync_every=4, train_steps=12,
+        optimizer="adam", learning_rate=0.01, outer_optimizer="nesterov",
+        outer_learning_rate=lr, outer_momentum=mu))
+
+  trainer = make("whole")
   start = _synced(trainer)
   alone = [_Alone(trainer, r, start) for r in range(2)]
   sync, momentum = [w.copy() for w in start], [0 * w for w in start]
@@ -145,6 +165,10 @@ def test_replicas_train_alone_between_syncs_and_diloco_syncs(
     for r in range(2):
       assert max_diff(mine[r], alone[r].weights()) <= 1e-5
     assert max_diff(mine[0], mine[1]) > 1e-3  # They did diverge.
+    if period == 1:  # Step 7: mid-period. Every step has been traced.
+      monkeypatch.undo()  # A save gathers the replicas' variables.
+      checkpoints.manager(trainer.checkpoint_items(), str(tmp_path),
+                          3).save(checkpoint_number=7)
     trainer.train(1)  # Step 4 (8): a synchronisation.
     for a in alone:
       a.train(1)
@@ -160,7 +184,6 @@ def test_replicas_train_alone_between_syncs_and_diloco_syncs(
       assert max_diff(weights, sync) == 0  # Every replica restarts from it.
       alone[r].set_weights(sync)  # Its own optimizer state carries on.
   report = trainer.report().scalars
-  trainer.close()
   # Nothing but the pseudo-gradient and, once per loop, one row of sums
   # (loss, accuracy, replica grad norm and 4 counts), traced once.
   params = sum(w.size for w in sync)
@@ -169,33 +192,16 @@ def test_replicas_train_alone_between_syncs_and_diloco_syncs(
   assert report["comm/ratio_to_float32"] == 1 / 4
   assert report["local_sgd/pseudo_gradient_norm"] > 0
 
-
-def test_resume_mid_period_equals_uninterrupted(small_config, tmp_path):
-  def make(name):
-    return _trainer(small_config(
-        **LOCAL, workdir=str(tmp_path / name), sync_every=4, train_steps=12,
-        optimizer="adam", learning_rate=0.01, outer_optimizer="nesterov",
-        outer_learning_rate=0.7, outer_momentum=0.9))
-
-  def state(trainer):
-    return (_synced(trainer)
-            + sum(_components(trainer, trainer.replica_model.variables), [])
-            + sum(_components(trainer, trainer.optimizer.variables), [])
-            + [np.asarray(v) for v in trainer.outer_optimizer.variables])
-
-  whole = make("whole")
-  whole.train(6)  # Mid-period: the replicas have diverged.
-  manager = checkpoints.manager(whole.checkpoint_items(), str(tmp_path), 3)
-  manager.save(checkpoint_number=6)
-  whole.train(6)
-  resumed = make("resumed")  # Other initial weights: all must be restored.
+  trainer.train(4)  # Uninterrupted to 12.
+  resumed = make("resumed")  # Its own initial state: all must be restored.
   assert resume.restore_latest(
       checkpoints.manager(resumed.checkpoint_items(), str(tmp_path), 3),
       resumed.scope())
-  resumed.train(6)
-  assert int(resumed.step.numpy()) == 12
-  assert max_diff(state(whole), state(resumed)) <= 1e-6
-  whole.close()
+  assert int(resumed.step.numpy()) == 7
+  resumed.train(5)
+  assert int(resumed.step.numpy()) == int(trainer.step.numpy()) == 12
+  assert max_diff(_state(trainer), _state(resumed)) <= 1e-6
+  trainer.close()
   resumed.close()
 
 

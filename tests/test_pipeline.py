@@ -101,12 +101,22 @@ def tmp(tmp_path_factory):
   return tmp_path_factory.mktemp("pipeline")
 
 
+def save(trainer):
+  """A checkpoint of the trainer's state in its workdir."""
+  checkpoints.Checkpointer(trainer.checkpoint_items(), trainer.config.workdir,
+                           1).save(int(trainer.step.numpy()))
+
+
 @pytest.fixture(scope="module")
 def sync_run(tmp):
-  """Single-device sync's (variables, metrics) after STEPS steps."""
+  """Single-device sync's variables after STEPS steps, in two loops, and
+  the second loop's metrics; its checkpoint of step STEPS // 2 is in
+  tmp/sync."""
   trainer = build(config("sync", tmp))
   start = weights(trainer)
-  metrics = trainer.train(STEPS)
+  trainer.train(STEPS // 2)
+  save(trainer)
+  metrics = trainer.train(STEPS - STEPS // 2)
   reference = weights(trainer)
   trainer.close()
   # Training moved the variables well beyond the tolerance, so equality
@@ -130,29 +140,27 @@ def assert_same_metrics(metrics, reference):
 
 # -- a step equals a single-device sync step --
 
-# GPipe and 1F1B each with one recompute setting (and the other setting in
-# test_pipeline_v2.py and the hybrid and regularised tests below); the
+# GPipe and 1F1B each with one recompute setting (and the others in the
+# regularised and float16 tests below: GPipe hybrid with except_last, 1F1B
+# without recompute, K=3, and hybrid); the
 # timed step (its timestamps and their control edges) must not change what
 # a step computes.
 @pytest.mark.parametrize("schedule,recompute,timing", [
     ("gpipe", "never", "never"), ("1f1b", "always", "every")])
 def test_pipeline_equals_single_device_sync(tmp, sync_run, schedule,
                                             recompute, timing):
-  variables, metrics = trained(config(
+  trainer = build(config(
       f"pipe_{schedule}_{recompute}", tmp, pipeline_schedule=schedule,
       recompute=recompute, **dict(K2, pipeline_timing=timing)))
+  # In two loops, as the reference: the metrics are the second's.
+  trainer.train(STEPS // 2)
+  metrics = trainer.train(STEPS - STEPS // 2)
+  assert int(trainer.step.numpy()) == STEPS
+  variables = weights(trainer)
+  trainer.close()
   assert max_diff(sync_run[0], variables) <= TOLERANCE
   assert metrics["train/skipped_steps"] == 0
   assert_same_metrics(metrics, sync_run[1])
-
-
-def test_hybrid_two_replicas_of_two_stages_equals_sync(tmp, sync_reference):
-  # 1F1B in hybrid, on split 1 (stage 0 is the Flatten alone, with no
-  # gradients to reduce), is test_regularised_model_equals_sync[r2k2].
-  cfg = config("hybrid_gpipe", tmp, pipeline_schedule="gpipe",
-               recompute="except_last", **R2K2)
-  assert PipelineTrainer.num_replicas(cfg, LOCAL) == 2
-  assert max_diff(sync_reference, trained(cfg)[0]) <= TOLERANCE
 
 
 @pytest.fixture(scope="module")
@@ -160,16 +168,21 @@ def regularised_sync(tmp):
   return trained(config("reg_sync", tmp, model="test_regularized_mlp"))
 
 
-# K=3 on an explicit split (1,2), and R=2 x K=2 1F1B on split 1: the same
-# layouts on the plain MLP would check nothing these do not.
+# K=3 on an explicit split (1,2), and R=2 x K=2 GPipe on split 1 (stage 0
+# is the first Dense alone) recomputing all but the last stage's
+# activations: the same layouts on the plain MLP would check nothing these
+# do not. 1F1B in hybrid is the float16 hybrid test below.
 @pytest.mark.parametrize("pipeline", [
     dict(K2, num_devices=3, num_stages=3, num_microbatches=2,
          split_points="1,2"),
-    dict(R2K2, split_points="1", recompute="always")], ids=["k3", "r2k2"])
+    dict(R2K2, split_points="1", pipeline_schedule="gpipe",
+         recompute="except_last")], ids=["k3", "r2k2"])
 def test_regularised_model_equals_sync(tmp, regularised_sync, pipeline):
   sync_vars, sync_metrics = regularised_sync
-  trainer = build(config("reg_pipe", tmp, model="test_regularized_mlp",
-                         **pipeline))
+  cfg = config("reg_pipe", tmp, model="test_regularized_mlp", **pipeline)
+  assert PipelineTrainer.num_replicas(cfg, LOCAL) == pipeline[
+      "num_devices"] // pipeline["num_stages"]
+  trainer = build(cfg)
   penalty = float(tf.add_n(trainer.model.losses))
   metrics = trainer.train(STEPS)
   # The loss includes the penalty, once: far more than the tolerance.
@@ -180,13 +193,9 @@ def test_regularised_model_equals_sync(tmp, regularised_sync, pipeline):
 
 
 def test_checkpoints_interchange_with_sync(tmp, sync_reference):
-  # Sync trains half the steps; the pipeline resumes from its checkpoint,
-  # saves at once, and trains the rest; sync resumes from that save.
-  def save(trainer):
-    checkpoints.Checkpointer(trainer.checkpoint_items(),
-                             trainer.config.workdir, 1).save(
-                                 int(trainer.step.numpy()))
-
+  # Sync trained half the steps (the reference's checkpoint); the pipeline
+  # resumes from it, saves at once, and trains the rest; sync resumes from
+  # that save.
   def resumed(cfg, restore_from):
     trainer = build(cfg)
     assert checkpoints.Checkpointer(
@@ -194,11 +203,7 @@ def test_checkpoints_interchange_with_sync(tmp, sync_reference):
     assert int(trainer.step.numpy()) == STEPS // 2
     return trainer
 
-  sync = build(config("s_half", tmp))
-  sync.train(STEPS // 2)
-  save(sync)
-  sync.close()
-  pipe = resumed(config("s_then_p", tmp, **K2), sync.config.workdir)
+  pipe = resumed(config("s_then_p", tmp, **K2), str(tmp / "sync"))
   save(pipe)
   pipe.train(STEPS // 2)
   s_then_p = weights(pipe)
