@@ -1,4 +1,9 @@
-"""The terminal: a run prints its own lines; other libraries' on request."""
+"""The terminal: a run prints its own lines; other libraries' on request.
+
+In this process, record by record and line by line; a real command in a
+new process prints its own lines only: tests/test_flag_fuzz.py's
+`test_a_run_that_trains_does_so_as_a_new_process_with_its_own_lines`.
+"""
 
 import logging
 import os
@@ -9,14 +14,13 @@ import pytest
 import tensorflow as tf
 from absl import logging as absl_logging
 
-from conftest import REPO, run_train
+from conftest import REPO
 from dist_loop import console
 from experiments import train as entry
 
 OURS = os.path.join(REPO, "dist_loop", "controller.py")
 THEIRS = os.path.join(os.path.dirname(tf.__file__), "python", "checkpoint",
                       "functional_saver.py")
-OUR_LINE = re.compile(r"^\d\d:\d\d:\d\d (warning: |error: )?\S")
 
 
 def _record(level, path, name="absl"):
@@ -149,34 +153,3 @@ def test_the_banner_names_mode_devices_model_and_data():
       model, data) == (
           "sync on 2 devices (CPU:0, CPU:1)  |  mlp: 2,080 parameters  |  "
           "digits: 1,438 train / 359 eval examples  |  600 steps of 64")
-
-
-def test_a_run_prints_its_own_lines_only(tmp_path):
-  """A real command, in a new process: TensorFlow's start-up included, in
-  float16 (oneDNN's native DT_HALF error line, on machines without
-  AVX-512), with TF_CPP_MIN_LOG_LEVEL=2 in the environment (run_train's),
-  which --verbosity overrides."""
-  result = run_train(f"--workdir={tmp_path / 'run'}", "--dataset=synthetic",
-                     "--model=mlp", "--train_steps=4", "--steps_per_loop=2",
-                     "--log_every=2", "--eval_every=4",
-                     "--checkpoint_every=4", "--global_batch_size=32",
-                     "--precision=mixed_float16")
-  assert result.returncode == 0, result.stderr[-3000:]
-  lines = result.stderr.splitlines()
-  assert all(OUR_LINE.match(line) for line in lines), result.stderr[-3000:]
-  text = [line[9:] for line in lines]  # Without the time.
-  kinds = {
-      "banner": r"^sync on 1 device \(CPU:0\)  \|  mlp: [\d,]+ parameters  "
-                r"\|  synthetic: [\d,]+ train / [\d,]+ eval examples  \|  4 "
-                r"steps of 32$",
-      "progress": r"^step [24]/4  loss \S+  acc \S+  \d+ ex/s  "
-                  r"eta \d+:\d\d:\d\d$",
-      "eval": r"^step 4  eval/loss \S+  eval/accuracy \S+$",
-      "checkpoint": r"^step 4  saved checkpoint \S+ckpt-4$",
-  }
-  seen = [[k for k, regex in kinds.items() if re.match(regex, line)]
-          for line in text]
-  # Nothing else: TensorFlow's lines would pass through our format too.
-  assert seen == [["banner"], ["progress"], ["progress"], ["eval"],
-                  ["checkpoint"]], "\n".join(text)
-  assert result.stdout.startswith("done: step 4, eval accuracy ")

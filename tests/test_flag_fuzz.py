@@ -11,9 +11,15 @@ absl's "FATAL Flags parsing error" (its second line, the pointer to
 --helpfull, is printed by absl's `app.run` only) or our "error:". The runs
 go through the entry point's flag parsing and `main` in this process
 (`conftest.run_main`): an exception other than the errors a user is shown
-fails the test with its traceback. How many train and how many are refused
-is fixed by the seed and checked exactly. The first combination that passes
-every check is also run as a new process, end to end.
+fails the test with its traceback. How many pass every check (`validates`)
+is fixed by the seed and checked exactly; every other one is refused by the
+entry point in one line. Of those that pass, the few that between them give
+every valid value of every fuzzed flag (`_covering`) train, each with the
+exit code the seed fixes (trained, or diverged in one line); the rest are
+checked as far as the checks go (training each costs seconds). The first
+combination that passes every check is also run as a new process, end to
+end, in float16, where it also shows that a run prints its own lines only
+(one process for both checks).
 
 Flagfiles, read by the entry point before absl parses
 (`experiments.train.expand_flagfiles`): nesting next to the including file,
@@ -95,13 +101,7 @@ def _combinations():
 COMBINATIONS = list(_combinations())
 
 
-# The combinations run in two groups (the even and the odd ones), each in
-# one test: a group is a few runs that train and many refusals, the size of
-# one test.
-NUM_GROUPS = 2
-
-
-def _check(code, out, err):
+def check(code, out, err):
   if code == 0:
     assert "done: step 2" in out
   else:
@@ -110,41 +110,7 @@ def _check(code, out, err):
     assert "Traceback" not in err
 
 
-def _run_group(group, tmp_path):
-  """Runs the group's combinations in this process; returns their exit
-  codes, failing on the first that neither trains nor fails in one line
-  (naming its flags)."""
-  codes = []
-  for index in range(group, NUM_RUNS, NUM_GROUPS):
-    args = COMBINATIONS[index]
-    workdir = tmp_path / f"run{index}"
-    try:  # The fuzzed flags come last: they win over the short run's.
-      code, out, err = run_main(f"--workdir={workdir}", *SHORT_RUN, *args)
-      _check(code, out, err)
-    except Exception as e:  # pylint: disable=broad-except
-      raise AssertionError(f"combination {index}: {' '.join(args)}") from e
-    codes.append(code)
-  return codes
-
-
-# How many combinations of each group train: the seed fixes them. A count
-# that moves means validation now refuses good runs or lets bad ones through
-# (a bad run that gets through fails in one line while running: a refusal,
-# but of the wrong kind, which `_check` does not tell apart from absl's).
-TRAINS = {0: 7, 1: 4}
-
-
-@pytest.mark.parametrize("group", range(NUM_GROUPS))
-def test_random_flags_train_or_fail_in_one_line(group, tmp_path):
-  """The seed gives runs that train and runs that are refused, in each
-  group: exactly as many of each as when the counts were written."""
-  codes = _run_group(group, tmp_path)
-  trained = codes.count(0)
-  assert (trained, len(codes) - trained) == (
-      TRAINS[group], NUM_RUNS // NUM_GROUPS - TRAINS[group]), codes
-
-
-def _validates(args):
+def validates(args):
   """Whether `args` pass flag parsing and every check of the run's config
   (without training)."""
   with flagsaver.flagsaver():
@@ -157,15 +123,116 @@ def _validates(args):
   return True
 
 
-def test_a_run_that_trains_does_so_as_a_new_process(tmp_path):
-  """The first combination that passes every check (one the groups above
-  train in this process), run as a new process, end to end."""
-  args = next(a for a in COMBINATIONS if _validates(a))
+def _run(index, tmp_path):
+  """Combination `index` through the entry point in this process; its exit
+  code, failing if it neither trains nor fails in one line (naming its
+  flags)."""
+  args = COMBINATIONS[index]
+  try:  # The fuzzed flags come last: they win over the short run's.
+    code, out, err = run_main(f"--workdir={tmp_path / f'run{index}'}",
+                              *SHORT_RUN, *args)
+    check(code, out, err)
+  except Exception as e:  # pylint: disable=broad-except
+    raise AssertionError(f"combination {index}: {' '.join(args)}") from e
+  return code
+
+
+def _valid():
+  return [i for i, args in enumerate(COMBINATIONS) if validates(args)]
+
+
+# How many combinations pass every check: the seed fixes it. A count that
+# moves means validation now refuses good runs or lets bad ones through.
+NUM_VALID = 15
+
+
+def test_random_flags_pass_the_checks_or_are_refused_in_one_line(tmp_path):
+  """Each combination that does not pass the checks is refused by the
+  entry point, in one line, before it trains (the checks are the
+  entry point's: no refused run gets a workdir)."""
+  valid = _valid()
+  assert len(valid) == NUM_VALID, valid
+  for index in sorted(set(range(NUM_RUNS)) - set(valid)):
+    assert _run(index, tmp_path) != 0, COMBINATIONS[index]
+    assert not (tmp_path / f"run{index}").exists()
+
+
+def _covering(indices):
+  """Of the combinations `indices`, few (picked greedily, each the one
+  that adds the most) that between them give every argument any of them
+  gives: every valid value of every fuzzed flag is trained at least once."""
+  left = set().union(*(COMBINATIONS[i] for i in indices))
+  chosen = []
+  while left:
+    best = max(indices, key=lambda i: (len(left & set(COMBINATIONS[i])), -i))
+    chosen.append(best)
+    left -= set(COMBINATIONS[best])
+  return sorted(chosen)
+
+
+# The exit code of each of them, fixed by the seed: 0 trained, 3 diverged
+# (a learning rate of 1e9). A code that moves means a valid run now fails
+# while running (in one line, but of the wrong kind, which `check` does not
+# tell apart), or a diverging one goes unnoticed.
+EXIT_CODES = {6: 0, 12: 3, 26: 3, 29: 3, 62: 0, 63: 0, 70: 0, 82: 0}
+NUM_GROUPS = 2  # The trained ones, in two tests of a few runs each.
+
+
+@pytest.mark.parametrize("group", range(NUM_GROUPS))
+def test_random_flags_that_pass_the_checks_train_or_fail_in_one_line(
+    group, tmp_path):
+  """Those that cover every valid value (`_covering`), run through the
+  entry point: each trains, or fails while running in one line, exactly as
+  when the codes were written."""
+  trained = _covering(_valid())
+  assert trained == sorted(EXIT_CODES)
+  indices = trained[group::NUM_GROUPS]
+  assert {i: _run(i, tmp_path) for i in indices} == {
+      i: EXIT_CODES[i] for i in indices}
+
+
+# What a run of ours prints to stderr: the time, then an optional kind.
+OUR_LINE = re.compile(r"^\d\d:\d\d:\d\d (warning: |error: )?\S")
+
+
+def test_a_run_that_trains_does_so_as_a_new_process_with_its_own_lines(
+    tmp_path):
+  """A real command, in a new process: TensorFlow's start-up included, in
+  float16 (oneDNN's native DT_HALF error line, on machines without
+  AVX-512), with TF_CPP_MIN_LOG_LEVEL=2 in the environment (run_train's),
+  which --verbosity overrides.
+
+  The command: the first combination that passes every check (one of
+  those trained in this process above), end to end, with
+  --precision=mixed_float16 after it (its own precision, if any, is
+  bfloat16: the native line is float16's only). One process for both
+  checks: it trains, and prints its own lines only
+  (tests/test_console.py checks the terminal in this process)."""
+  args = next(a for a in COMBINATIONS if validates(a))
   result = run_train(f"--workdir={tmp_path / 'run'}", *SHORT_RUN, *args,
-                     timeout=180)
-  _check(result.returncode, result.stdout,
-         "" if result.returncode == 0 else result.stderr)
+                     "--precision=mixed_float16", timeout=180)
+  check(result.returncode, result.stdout,
+        "" if result.returncode == 0 else result.stderr)
   assert result.returncode == 0, result.stderr[-3000:]
+  lines = result.stderr.splitlines()
+  assert all(OUR_LINE.match(line) for line in lines), result.stderr[-3000:]
+  text = [line[9:] for line in lines]  # Without the time.
+  # SHORT_RUN: 2 steps, each logged, evaluated and saved at the end.
+  kinds = {
+      "banner": r"^sync on \d devices? \(CPU:0(, CPU:\d)*\)  \|  \w+: "
+                r"[\d,]+ parameters  \|  \w+: [\d,]+ train / [\d,]+ eval "
+                r"examples  \|  2 steps of \d+$",
+      "progress": r"^step [12]/2  loss \S+  acc \S+  \d+ ex/s  "
+                  r"eta \d+:\d\d:\d\d$",
+      "eval": r"^step 2  eval/loss \S+  eval/accuracy \S+$",
+      "checkpoint": r"^step 2  saved checkpoint \S+ckpt-2$",
+  }
+  seen = [[k for k, regex in kinds.items() if re.match(regex, line)]
+          for line in text]
+  # Nothing else: TensorFlow's lines would pass through our format too.
+  assert seen == [["banner"], ["progress"], ["progress"], ["eval"],
+                  ["checkpoint"]], "\n".join(text)
+  assert result.stdout.startswith("done: step 2, eval accuracy ")
 
 
 # -- flagfiles --
