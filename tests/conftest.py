@@ -182,6 +182,16 @@ def run_launch(*args, timeout=240):
 
 
 @pytest.fixture
+def eager_costs(monkeypatch):
+  """Pipeline plans from layer costs timed eagerly: the traced measurement
+  adds a trace to each pipeline trainer, and only the tests of costs and of
+  `auto` (test_pipeline_v2.py) and the flagfiles that ask for it need it.
+  Use with `pytestmark = pytest.mark.usefixtures("eager_costs")`."""
+  from dist_loop.modes.pipeline import PipelineTrainer  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(PipelineTrainer, "cost_measurement", "eager")
+
+
+@pytest.fixture
 def small_config(tmp_path):
   """A factory of tiny, fast Configs in a fresh workdir."""
   from dist_loop import make_config  # pylint: disable=g-import-not-at-top

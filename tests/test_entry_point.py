@@ -47,7 +47,6 @@ from conftest import REPO, run_main
 from helpers import make_trainer
 from dist_loop import Config, configure, train
 from dist_loop import options as options_lib
-from dist_loop.modes.pipeline.trainer import PipelineTrainer
 from dist_loop import cluster as cluster_lib
 from experiments import flags as run_flags
 from experiments import train as entry
@@ -179,7 +178,7 @@ def test_a_flagfile_runs_end_to_end(flagfile, tmp_path, monkeypatch):
 @pytest.mark.parametrize("flagfile", [f for f in FLAGFILES if os.path.basename(
     f) not in END_TO_END], ids=os.path.basename)
 def test_every_other_flagfile_parses_and_builds_its_trainer(
-    flagfile, tmp_path, monkeypatch, cluster_of_this_process):
+    flagfile, tmp_path, monkeypatch, cluster_of_this_process, eager_costs):
   """Parsed and validated from another directory, then its trainer built
   as `train.run` builds it (a pipeline's plan from eager costs: the traced
   measurement is eager_1f1b.flags' end to end). A flagfile for a
@@ -197,7 +196,6 @@ def test_every_other_flagfile_parses_and_builds_its_trainer(
   cluster_of_this_process(None)
   config = _parse_only(*args, *IN_PROCESS, *smaller(_parse_only(*args)))
   assert config.train_steps == 2
-  monkeypatch.setattr(PipelineTrainer, "cost_measurement", "eager")
   trainer = make_trainer(config)
   try:
     assert len(trainer.devices) == config.num_devices

@@ -12,7 +12,6 @@ from dist_loop import UserError, make_config, train
 from dist_loop.models import MODELS
 from dist_loop.modes import MODES
 from dist_loop.modes.asynchronous import policies
-from dist_loop.modes.pipeline import PipelineTrainer
 from dist_loop.modes.pipeline import schedule as schedule_lib
 from experiments import flags as run_flags
 from experiments.extensions import eager_1f1b, exp_staleness, residual_cnn
@@ -46,7 +45,7 @@ def test_eager_1f1b_order_and_memory():
 
 
 def test_residual_cnn_in_two_stages_with_eager_1f1b_equals_sync(
-    small_config, tmp_path, monkeypatch):
+    small_config, tmp_path, monkeypatch, eager_costs):
   # Two stages cut between the pool and the third block: each stage holds
   # residual blocks, and at K=2, M=4 eager 1F1B's order differs from 1F1B's
   # (test_eager_1f1b_order_and_memory; it validates K=4 too). Four stages
@@ -57,7 +56,6 @@ def test_residual_cnn_in_two_stages_with_eager_1f1b_equals_sync(
   # (eager_1f1b.flags plans from traced costs end to end in
   # test_entry_point.py).
   monkeypatch.setattr(residual_cnn.residual_cnn, "image_size", None)
-  monkeypatch.setattr(PipelineTrainer, "cost_measurement", "eager")
   common = dict(dataset="digits", model="residual_cnn", optimizer="adam",
                 learning_rate=0.003, global_batch_size=16)
   start, sync = initial_and_trained(

@@ -42,11 +42,8 @@ K2 = dict(mode="pipeline", num_devices=2, num_stages=2, num_microbatches=4,
 R2K2 = dict(K2, num_devices=4, num_microbatches=2)
 
 
-@pytest.fixture(autouse=True)
-def eager_costs(monkeypatch):
-  """The traced measurement of layer costs adds a trace to each trainer;
-  test_pipeline_v2.py tests it."""
-  monkeypatch.setattr(PipelineTrainer, "cost_measurement", "eager")
+# Pipelines plan from eagerly timed layer costs (conftest.py).
+pytestmark = pytest.mark.usefixtures("eager_costs")
 
 
 @MODELS.register("test_regularized_mlp")

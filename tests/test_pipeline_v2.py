@@ -50,11 +50,8 @@ def _seven_layers(input_shape, num_classes):
           + [keras.layers.Dense(num_classes, name="logits")])
 
 
-@pytest.fixture(autouse=True)
-def eager_costs(monkeypatch):
-  """The traced measurement of layer costs adds a trace to each trainer;
-  only the tests of costs and auto need it."""
-  monkeypatch.setattr(PipelineTrainer, "cost_measurement", "eager")
+# Pipelines plan from eagerly timed layer costs (conftest.py).
+pytestmark = pytest.mark.usefixtures("eager_costs")
 
 
 def config(tmp_path, **overrides):

@@ -11,7 +11,6 @@ from dist_loop.errors import UserError
 from dist_loop.evaluation import Evaluator
 from dist_loop.modes import MODES, Trainer
 from dist_loop.modes.base import Reporting
-from dist_loop.modes.pipeline.trainer import PipelineTrainer
 from dist_loop.precision import PRECISIONS, DynamicLossScale
 from helpers import make_trainer, replica_copies
 
@@ -47,10 +46,9 @@ def test_sync_learns_digits_in_every_precision(float32_accuracy, tmp_path):
     assert abs(accuracy - float32_accuracy) <= 0.01, (precision, accuracy)
 
 
-def test_mixed_precision_in_pipeline_and_async_modes(float32_accuracy,
-                                                    tmp_path, monkeypatch):
+def test_mixed_precision_in_pipeline_and_async_modes(
+    float32_accuracy, tmp_path, eager_costs):
   # The traced measurement of layer costs is test_pipeline_v2.py's.
-  monkeypatch.setattr(PipelineTrainer, "cost_measurement", "eager")
   # float16 in the pipeline is test_pipeline.py's digits run.
   for name, precision, extra in (
       ("pipeline", "mixed_bfloat16", dict(

@@ -26,7 +26,6 @@ from conftest import max_diff
 from dist_loop import configure, data, devices, make_config
 from dist_loop.cluster import Cluster
 from dist_loop.modes import build_trainer
-from dist_loop.modes.pipeline.trainer import PipelineTrainer
 
 STEPS = 3
 TOLERANCE = 1e-5
@@ -35,11 +34,8 @@ TINY = dict(model="transformer", num_layers=1, d_model=16, num_heads=2,
             mlp_ratio=2, seq_len=8)
 
 
-@pytest.fixture(autouse=True)
-def eager_costs(monkeypatch):
-  """The traced measurement of layer costs adds a trace to each pipeline
-  trainer; test_pipeline_v2.py tests it."""
-  monkeypatch.setattr(PipelineTrainer, "cost_measurement", "eager")
+# Pipelines plan from eagerly timed layer costs (conftest.py).
+pytestmark = pytest.mark.usefixtures("eager_costs")
 
 
 @pytest.fixture(scope="module")
