@@ -12,14 +12,16 @@ process holds the components of its own replicas.
 A checkpoint of a mirrored variable holds one component (the first
 replica's). `ReplicaState` holds the others: when a checkpoint is saved it
 gathers every replica's component of each variable into one array
-[replicas, ...] (a collective only across processes: every worker saves
-together, as MultiWorkerMirroredStrategy requires), and when one is restored
-it keeps the arrays until `apply` writes each replica's row back into its
-component.
+[replicas, ...], and when one is restored it keeps the arrays until `apply`
+writes each replica's row back into its component. In one process
+(MirroredStrategy) every component is local, so both read and write the
+components directly; across processes the gather is a collective (every
+worker saves together, as MultiWorkerMirroredStrategy requires) and the
+write a replica step, each traced once.
 """
 
 import io
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import keras
 import numpy as np
@@ -55,10 +57,16 @@ class ReplicaState(tf.train.experimental.PythonState):
   in the order of the strategy's replica ids.
   """
 
-  def __init__(self, strategy: tf.distribute.Strategy, variables: Sequence):
+  def __init__(self, strategy: tf.distribute.Strategy, variables: Sequence,
+               collective: Optional[bool] = None):
+    """`collective`: gather and write in replica steps (None: only when
+    some replicas live in other processes; True tests that path)."""
     self._strategy = strategy
     self._variables = [backing(v) for v in variables]
     self._pending = None
+    if collective is None:
+      collective = not isinstance(strategy, tf.distribute.MirroredStrategy)
+    self._collective = collective
     self._gather = tf.function(self._gather_fn)
     self._scatter = tf.function(self._scatter_fn)
 
@@ -71,6 +79,9 @@ class ReplicaState(tf.train.experimental.PythonState):
     """Each variable's components, stacked: [replicas, ...]."""
     if self._pending is not None:
       return list(self._pending)
+    if not self._collective:
+      return [np.stack([c.numpy() for c in self._components(v)])
+              for v in self._variables]
     out = self._gather()
     return [np.asarray(v) for v in
             tf.nest.map_structure(
@@ -111,8 +122,17 @@ class ReplicaState(tf.train.experimental.PythonState):
     """Writes a restored state into the replicas' components, once."""
     if self._pending is None:
       return
-    self._scatter([tf.constant(a) for a in self._pending])
+    if self._collective:
+      self._scatter([tf.constant(a) for a in self._pending])
+    else:
+      for var, array in zip(self._variables, self._pending):
+        for component, row in zip(self._components(var), array):
+          component.assign(row, read_value=False)
     self._pending = None
+
+  def _components(self, var):
+    """`var`'s components in replica-id order (all local: one process)."""
+    return self._strategy.experimental_local_results(var)
 
   def _gather_fn(self):
     def gather():

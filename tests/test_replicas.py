@@ -1,6 +1,7 @@
 """Per-replica variables on 2 logical devices: `write` gives each replica's
 component its own value, and `ReplicaState` carries every component through
-a checkpoint (and refuses one of another replica count or model)."""
+a checkpoint, read directly or gathered (and refuses one of another replica
+count or model)."""
 
 import keras
 import numpy as np
@@ -56,10 +57,13 @@ def test_write_gives_each_replica_its_own_value():
     np.testing.assert_array_equal(components[1], np.full(shape, 2.0))
 
 
-def test_replica_state_round_trips_through_a_checkpoint(tmp_path):
+# Direct reads and writes of the components (one process), and the
+# replica steps that MultiWorkerMirroredStrategy needs (forced here).
+@pytest.mark.parametrize("collective", [False, True])
+def test_replica_state_round_trips_through_a_checkpoint(tmp_path, collective):
   strategy, variables = _setup()
   _write_replica_ids(strategy, variables, base=5.0)
-  state = replicas.ReplicaState(strategy, variables)
+  state = replicas.ReplicaState(strategy, variables, collective=collective)
   values = state.values()
   assert [v.shape for v in values] == [(2, *s) for s in SHAPES]
   for value in values:
@@ -69,7 +73,8 @@ def test_replica_state_round_trips_through_a_checkpoint(tmp_path):
 
   # A new run: the same variables, at zero.
   strategy, restored_vars = _setup()
-  restored = replicas.ReplicaState(strategy, restored_vars)
+  restored = replicas.ReplicaState(strategy, restored_vars,
+                                   collective=collective)
   tf.train.Checkpoint(replicas=restored).restore(path).assert_consumed()
   # Restored, but not written until `apply`.
   assert restored.pending
