@@ -20,7 +20,7 @@ import tensorflow as tf
 from tensorflow.python.framework import config as tf_config  # pylint: disable=g-direct-tensorflow-import
 
 from conftest import REPO, checkpoint_variables, max_diff, run_main
-from dist_loop import checkpoints, make_config, train
+from dist_loop import checkpoints, make_config, preemption, train
 from dist_loop.data import stream
 from dist_loop.data.base import DATASETS, Dataset
 from dist_loop.errors import NonFiniteError, UserError
@@ -281,10 +281,14 @@ class _SigtermAtCheckpoint(threading.Thread):
 
 
 def _cancel_watchdogs():
-  for thread in threading.enumerate():
-    if (isinstance(thread, threading.Timer)
-        and getattr(thread.function, "__name__", "") == "_grace_over"):
-      thread.cancel()
+  """Cancels every grace-period watchdog (a `preemption.Sigterm`'s timer)
+  left running in this process; returns how many."""
+  watchdogs = [t for t in threading.enumerate()
+               if isinstance(t, threading.Timer) and isinstance(
+                   getattr(t.function, "__self__", None), preemption.Sigterm)]
+  for watchdog in watchdogs:
+    watchdog.cancel()
+  return len(watchdogs)
 
 
 def test_sigkill_then_sigterm_then_resume_equals_uninterrupted(tmp_path,
@@ -328,11 +332,12 @@ def test_sigkill_then_sigterm_then_resume_equals_uninterrupted(tmp_path,
                                          "--verbosity=0"))
     finally:
       terminator.wait()
-      _cancel_watchdogs()
+      watchdogs = _cancel_watchdogs()
       tf_config.disable_op_determinism()
   finally:
     signal.signal(signal.SIGTERM, previous)
   assert terminator.sent and not late, (code, err[-2000:])
+  assert watchdogs == 1  # The SIGTERM's, cancelled before it could fire.
   assert code == 143, err[-2000:]
   assert "Traceback" not in err
   assert f"Resumed from {killed_at}." in caplog.text, caplog.text[-2000:]
