@@ -23,6 +23,19 @@ in-process one. Per model, the step-time breakdown: compute alone (the
 transport (one bucket, and in buckets), and the exposed communication (the
 2-worker step minus compute alone). Then the issue's targets, met or not.
 
+Two more columns say what overlap can hide on this machine. `allreduce CPU
+ms` is the CPU a worker spends on one all-reduce alone (gRPC copies and
+reductions, all its threads): a worker pinned to one core has no other core
+to run it on, so it adds to the step whatever the order of the collectives.
+`exposed ms (DiLoCo)` is the 2-worker DiLoCo step minus compute alone: it
+communicates once per H steps, so what it exposes is mostly the two workers
+running side by side (shared caches and memory, each step waiting for the
+slower one), a floor under any synchronous variant.
+
+A full run takes about 40 minutes; `--models=deep_mlp,cnn` and
+`--variants="float32, buckets;DiLoCo H=16"` (`;`-separated) time a subset
+(the 1-worker reference is always timed).
+
 The variants: float32 in one bucket (the reference) and in buckets of the
 default size and of 1 MB (the choice of the default), bf16 on the wire,
 PowerSGD, DiLoCo, and the three ZeRO stages (their cost in time; their
@@ -155,9 +168,11 @@ def _flat(model_flags, batch, workers, variant, steps) -> dict:
           "learning_rate": 1e-3, "train_steps": 100 * steps, "seed": 0}
 
 
-def run(quick: bool = False) -> dict:
-  """Runs the suite; returns {"rows": [...], "table": markdown}."""
-  settings = SETTINGS[quick]
+def run(quick: bool = False, models: Sequence[str] = (),
+        variants: Sequence[str] = ()) -> dict:
+  """Runs the suite, or the named models and variants of it; returns
+  {"rows": [...], "table": markdown}."""
+  settings = _select(SETTINGS[quick], models, variants)
   if (os.cpu_count() or 1) < 2:
     raise RuntimeError("the scale suite pins two workers to two cores")
   server = socket.create_server(("127.0.0.1", 0))
@@ -185,10 +200,27 @@ def run(quick: bool = False) -> dict:
                                    "2w / ip"]),
       common.markdown_table(breakdown, [
           "model", "gradient MB", "compute ms", "allreduce ms (one)",
-          "allreduce ms (buckets)", "2w step ms (one)",
-          "2w step ms (buckets)", "exposed ms (one)", "exposed ms (buckets)"]),
+          "allreduce ms (buckets)", "allreduce CPU ms (one)",
+          "allreduce CPU ms (buckets)", "2w step ms (one)",
+          "2w step ms (buckets)", "exposed ms (one)", "exposed ms (buckets)",
+          "exposed ms (DiLoCo)"]),
       "\n".join(targets(rows))])
   return {"rows": rows + breakdown, "table": table}
+
+
+def _select(settings, models, variants) -> dict:
+  """`settings` with only the named models and variants (all if none)."""
+  for names, known in ((models, settings["models"]),
+                       (variants, settings["variants"])):
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+      raise ValueError(f"unknown {', '.join(unknown)}: choose from "
+                       f"{', '.join(known)}")
+  return {**settings,
+          "models": {m: v for m, v in settings["models"].items()
+                     if not models or m in models},
+          "variants": tuple(v for v in settings["variants"]
+                            if not variants or v in variants)}
 
 
 def _model(groups, model, flags, batch, steps, settings):
@@ -241,10 +273,15 @@ def _breakdown(groups, model, batch, seconds, steps, settings):
     reply = groups["2 workers"].ask(cmd="allreduce", floats=floats,
                                     bucket_mb=mb, reps=settings["reps"])
     out[f"allreduce ms ({label})"] = 1e3 * max(r["seconds"] for r in reply)
+    out[f"allreduce CPU ms ({label})"] = 1e3 * max(r["cpu_seconds"]
+                                                   for r in reply)
     if ("2 workers", variant) in seconds:
       step = 1e3 * statistics.median(seconds[("2 workers", variant)]) / steps
       out[f"2w step ms ({label})"] = step
       out[f"exposed ms ({label})"] = step - compute
+  if ("2 workers", "DiLoCo H=16") in seconds:
+    step = statistics.median(seconds[("2 workers", "DiLoCo H=16")]) / steps
+    out["exposed ms (DiLoCo)"] = 1e3 * step - compute
   return out
 
 
@@ -284,8 +321,13 @@ def targets(rows: List[dict]) -> List[str]:
 
 
 def main():
-  quick = "--quick" in sys.argv
-  out = run(quick=quick)
+  args = dict(a[2:].split("=", 1) for a in sys.argv[1:] if "=" in a)
+  try:
+    out = run(quick="--quick" in sys.argv,
+              models=[m for m in args.get("models", "").split(",") if m],
+              variants=[v for v in args.get("variants", "").split(";") if v])
+  except ValueError as e:
+    sys.exit(f"error: {e}")
   print(out["table"])
 
 

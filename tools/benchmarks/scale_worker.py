@@ -16,7 +16,9 @@ the process groups in interleaved rounds while the others wait idle:
 * `{"cmd": "memory", "name": N}`: what a sync trainer holds per device,
   and the process's peak RSS (without a name: the RSS alone);
 * `{"cmd": "allreduce", "floats": F, "bucket_mb": B, "reps": R}`: the median
-  seconds of one all-reduce of F float32 values in buckets of B MB, alone;
+  seconds of one all-reduce of F float32 values in buckets of B MB, alone,
+  and the median CPU seconds this process spent on it (all its threads: on
+  a worker pinned to one core, CPU the backward pass cannot have);
 * `{"cmd": "exit"}`.
 
 Every task of a cluster gets the same commands, since a step is a
@@ -116,13 +118,15 @@ class Worker:
       return strategy.run(replica)
 
     reduce_once()
-    times = []
+    times, cpu = [], []
     for _ in range(reps):
-      t0 = time.perf_counter()
+      t0, c0 = time.perf_counter(), time.process_time()
       tf.nest.map_structure(lambda t: t.numpy(), strategy.experimental_local_results(
           reduce_once()))
       times.append(time.perf_counter() - t0)
-    return {"seconds": statistics.median(times)}
+      cpu.append(time.process_time() - c0)
+    return {"seconds": statistics.median(times),
+            "cpu_seconds": statistics.median(cpu)}
 
   def close(self):
     for trainer in self.trainers.values():
