@@ -25,12 +25,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np  # pylint: disable=g-import-not-at-top
 import pytest  # pylint: disable=g-import-not-at-top
 
-from dist_loop import devices  # pylint: disable=g-import-not-at-top
-
 NUM_TEST_DEVICES = 4
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-devices.configure(NUM_TEST_DEVICES, "cpu")
 
 # A shell's background job (`make test &`) starts with Ctrl-C ignored, and
 # the tests that send a real SIGINT (to this process or to the programs it
@@ -45,9 +41,18 @@ _stderr = None
 
 
 def pytest_configure(config):
+  """Fixes the test devices, in every process that runs tests.
+
+  pytest-xdist's controller only hands tests out: it is spared the
+  TensorFlow start (10 s of CPU, before it can start the workers).
+  """
   global _stderr
-  del config  # Unused.
   _stderr = os.dup(2)
+  if getattr(config.option, "numprocesses", None) and not hasattr(
+      config, "workerinput"):
+    return
+  from dist_loop import devices  # pylint: disable=g-import-not-at-top
+  devices.configure(NUM_TEST_DEVICES, "cpu")
 
 
 @pytest.hookimpl(optionalhook=True)
