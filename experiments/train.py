@@ -53,7 +53,7 @@ if __name__ == "__main__":
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import flags
 
-from dist_loop import console
+from dist_loop import console, process_exit
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 _FLAGFILE = ("--flagfile", "-flagfile")
@@ -169,6 +169,7 @@ if __name__ == "__main__":
   except FlagfileError as error:
     print(f"error: {error}", file=sys.stderr)
     sys.exit(1)
+  process_exit.skip_final_gc()
   console.start(requested_verbosity(_ARGV))  # Before TensorFlow starts.
 
 # pylint: disable=g-import-not-at-top,wrong-import-position

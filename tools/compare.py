@@ -23,7 +23,7 @@ from typing import Dict, List
 
 from absl import app, flags
 
-from dist_loop import console
+from dist_loop import console, process_exit
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("plot", "compare.png", "Where the PNG plot goes ('' for "
@@ -169,6 +169,7 @@ def main(argv):
   workdirs = argv[1:]
   if not workdirs:
     raise app.UsageError("give one or more run workdirs")
+  process_exit.skip_final_gc()
   console.start(verbosity())  # Imports TensorFlow, quietly.
   console.setup(verbosity())
   try:
