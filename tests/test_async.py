@@ -189,12 +189,14 @@ def test_run_logs_staleness_and_resumes_in_sync_mode(small_config):
   resumed = train.run(sync)
   assert resumed["final_step"] == 25
   # The checkpoint holds the master that the run evaluated last.
-  dataset = data.load(sync)
-  loaded = Evaluator(checkpoints.load_model(sync), dataset, 256).evaluate()
+  model = checkpoints.load_model(sync)
+  evaluator = Evaluator(model, data.load(sync), 256)  # Traced once.
+  loaded = evaluator.evaluate()
   assert loaded["eval/loss"] == pytest.approx(resumed["eval_loss"], abs=1e-6)
-  at_20 = Evaluator(checkpoints.load_model(
-      config, os.path.join(config.workdir, "checkpoints", "ckpt-20")),
-                    dataset, 256).evaluate()
+  model.set_weights(checkpoints.load_model(
+      config, os.path.join(config.workdir, "checkpoints", "ckpt-20")
+  ).get_weights())
+  at_20 = evaluator.evaluate()
   assert at_20["eval/loss"] == pytest.approx(summary["eval_loss"], abs=1e-6)
   assert at_20["eval/loss"] != loaded["eval/loss"]  # Sync trained on.
 

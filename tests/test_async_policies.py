@@ -40,15 +40,19 @@ def split():
   return data.DATASETS.get("synthetic")(None, 0, None)
 
 
-def make_workers(applier, split):
-  """NUM_WORKERS workers of the linear model on the applier's device."""
-  workers = []
+@pytest.fixture(scope="module")
+def workers(split):
+  """NUM_WORKERS workers of the linear model on the appliers' device,
+  traced once for the module: a worker's push is a function of the weights
+  it is handed and its batch (the harness records the batches)."""
+  device = devices.configure(1, "cpu")[0]
+  out = []
   for k in range(NUM_WORKERS):
-    with tf.device(applier.device):
+    with tf.device(device):
       model = models.build(LINEAR, split.input_shape, split.num_classes)
-    workers.append(Worker(k, NUM_WORKERS, applier.device, model,
-                          tasks.for_dataset(split), split, BATCH, 0))
-  return workers
+    out.append(Worker(k, NUM_WORKERS, device, model,
+                      tasks.for_dataset(split), split, BATCH, 0))
+  return out
 
 
 def make_applier(split, **policy):
@@ -93,15 +97,17 @@ def expected_run(w0, batches, ticks, max_staleness, lr_policy, dc_lambda):
   return history[-1], counts, drops
 
 
-def forced_run(applier, workers, ticks):
-  """Drives the real Worker.compute / Applier.offer in the forced order."""
+def forced_run(applier, workers, ticks, replay=None):
+  """Drives the real Worker.compute / Applier.offer in the forced order, on
+  the workers' next batches or, given `replay`, on those; returns (the
+  batches, the staleness of each push)."""
   history = {0: applier.read()[1]}
   batches, seen_taus = [], []
   for tick in range(ticks):
     k = tick % NUM_WORKERS
     v = max(0, applier.version - k)
-    x, y = workers[k].next_batch()
-    batches.append((x.numpy().astype(np.float64), y.numpy()))
+    x, y = replay[tick] if replay else workers[k].next_batch()
+    batches.append((x, y))
     outcome = applier.offer(workers[k].compute(v, history[v], x, y))
     seen_taus.append(outcome.tau)
     if outcome.applied:
@@ -116,16 +122,16 @@ def forced_run(applier, workers, ticks):
     (-1, "inverse", "dc", 0.5),
 ])
 def test_forced_interleaving_gives_exact_variables_and_counts(
-    split, max_staleness, lr_name, comp, dc_lambda):
+    split, workers, max_staleness, lr_name, comp, dc_lambda):
   lr_policy = policies.STALENESS_LR.get(lr_name)
   applier = make_applier(split, max_staleness=max_staleness,
                          staleness_lr=lr_policy,
                          compensation=policies.COMPENSATIONS.get(comp),
                          dc_lambda=dc_lambda)
   w0 = [np.asarray(v) for v in applier.model.trainable_variables]
-  workers = make_workers(applier, split)
   ticks = 14
   batches, seen_taus = forced_run(applier, workers, ticks)
+  batches = [(x.numpy().astype(np.float64), y.numpy()) for x, y in batches]
 
   want_w, want_counts, want_drops = expected_run(
       w0, batches, ticks, max_staleness, lr_policy, dc_lambda)
@@ -146,15 +152,16 @@ def test_forced_interleaving_gives_exact_variables_and_counts(
     assert applier.staleness.max == NUM_WORKERS - 1
 
 
-def test_dc_with_zero_lambda_equals_plain_async(split):
-  def final(comp):
+def test_dc_with_zero_lambda_equals_plain_async(split, workers):
+  def final(comp, replay=None):
     applier = make_applier(split, compensation=policies.COMPENSATIONS.get(comp),
                            dc_lambda=0.0)
-    workers = make_workers(applier, split)
-    forced_run(applier, workers, 10)
-    return [np.asarray(v) for v in applier.model.trainable_variables]
+    batches, _ = forced_run(applier, workers, 10, replay)
+    return [np.asarray(v) for v in applier.model.trainable_variables], batches
 
-  for a, b in zip(final("none"), final("dc")):
+  plain, batches = final("none")
+  compensated, _ = final("dc", batches)  # On the same batches.
+  for a, b in zip(plain, compensated):
     np.testing.assert_array_equal(a, b)
 
 

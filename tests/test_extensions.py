@@ -8,7 +8,7 @@ from absl import flags
 from absl.testing import flagsaver
 
 from conftest import max_diff
-from dist_loop import UserError, make_config, train
+from dist_loop import UserError, make_config
 from dist_loop.models import MODELS
 from dist_loop.modes import MODES
 from dist_loop.modes.asynchronous import policies
@@ -16,7 +16,7 @@ from dist_loop.modes.pipeline import schedule as schedule_lib
 from experiments import flags as run_flags
 from experiments.extensions import eager_1f1b, exp_staleness, residual_cnn
 from experiments.extensions import single_device
-from helpers import initial_and_trained
+from helpers import initial_and_trained, make_trainer
 
 
 def test_each_extension_is_registered_under_its_flag_value():
@@ -37,6 +37,10 @@ def test_eager_1f1b_order_and_memory():
       "F0 F1 F2 B0 F3 B1 B2 B3",  # One forward more than 1F1B's warm-up.
       "F0 B0 F1 B1 F2 B2 F3 B3",
   ]
+  # M=3 (the residual CNN's run below) still differs from 1F1B's order.
+  orders = [[" ".join(map(str, s)) for s in schedule_lib.make(name, 2, 3)]
+            for name in ("eager_1f1b", "1f1b")]
+  assert orders[0][0] == "F0 F1 F2 B0 B1 B2" != orders[1][0]
   for k_stages, m in ((2, 4), (3, 6), (4, 8), (4, 2)):
     sched = schedule_lib.make("eager_1f1b", k_stages, m)  # Validates it.
     for k, actions in enumerate(sched):
@@ -47,8 +51,10 @@ def test_eager_1f1b_order_and_memory():
 def test_residual_cnn_in_two_stages_with_eager_1f1b_equals_sync(
     small_config, tmp_path, monkeypatch, eager_costs):
   # Two stages cut between the pool and the third block: each stage holds
-  # residual blocks, and at K=2, M=4 eager 1F1B's order differs from 1F1B's
-  # (test_eager_1f1b_order_and_memory; it validates K=4 too). Four stages
+  # residual blocks, and at K=2, M=3 eager 1F1B's order differs from 1F1B's
+  # (F0 F1 F2 B0 B1 B2 on stage 0, not F0 F1 B0 F2 B1 B2; M=2 would not
+  # differ; test_eager_1f1b_order_and_memory checks M=4 and validates K=4
+  # too). Four stages
   # (residual_cnn_pipeline.flags, whose trainer test_entry_point.py builds)
   # would double the traced step for no path that two do not run. The
   # digits at their own 8x8 (every layer still runs: the pool leaves 4x4),
@@ -57,13 +63,13 @@ def test_residual_cnn_in_two_stages_with_eager_1f1b_equals_sync(
   # test_entry_point.py).
   monkeypatch.setattr(residual_cnn.residual_cnn, "image_size", None)
   common = dict(dataset="digits", model="residual_cnn", optimizer="adam",
-                learning_rate=0.003, global_batch_size=16)
+                learning_rate=0.003, global_batch_size=12)
   start, sync = initial_and_trained(
       small_config(workdir=str(tmp_path / "sync"), **common), 3)
   _, piped = initial_and_trained(small_config(
       workdir=str(tmp_path / "pipe"), mode="pipeline", num_devices=2,
       num_stages=2, stage_split="explicit", split_points="4",
-      num_microbatches=4, pipeline_schedule="eager_1f1b",
+      num_microbatches=3, pipeline_schedule="eager_1f1b",
       pipeline_timing="never", **common), 3)
   assert max_diff(sync, piped) <= 1e-5
   assert max_diff(sync, start) > 1e-3
@@ -78,13 +84,19 @@ def test_async_consults_the_exponential_policy_once_per_applied_update(
     return exp_staleness.exponential(tau)
 
   monkeypatch.setitem(policies.STALENESS_LR._entries, "exp", spy)  # pylint: disable=protected-access
-  summary = train.run(small_config(mode="async", num_devices=2,
-                                   async_workers=2, staleness_lr="exp",
-                                   max_staleness=4, train_steps=20))
-  assert summary["final_step"] == 20
+  # The trainer alone: the policy is the applier's, not the controller's.
+  trainer = make_trainer(small_config(mode="async", num_devices=2,
+                                      async_workers=2, staleness_lr="exp",
+                                      max_staleness=4, train_steps=20))
+  try:
+    trainer.train(20)
+    assert int(trainer.step.numpy()) == 20
+    summary = trainer.summary()
+  finally:
+    trainer.close()
   # Every applied update asked the policy, with the staleness it was
   # applied at (calls come in order; a push still in flight at the end may
-  # ask after the summary was written).
+  # ask after the summary was read).
   applied = summary["async_applied"]
   assert applied >= 20 and len(taus) >= applied
   counts = collections.Counter(taus[:applied])

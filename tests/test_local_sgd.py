@@ -1,7 +1,8 @@
 """Local SGD and DiLoCo (--mode=local_sgd), equivalences first.
 
 * H=1, `average`, outer learning rate 1 is synchronous SGD (with gradient
-  accumulation too: 2 micro-batches of 16 are the whole batch of 32).
+  accumulation too: 2 micro-batches of 16 are the whole batch of 32): in
+  test_sync_equivalence.py, against its one-device reference.
 * Between synchronisations a replica trains exactly as it would alone on its
   shard, with its own optimizer state; a synchronisation is the outer
   optimizer's step on the mean pseudo-gradient, and every replica restarts
@@ -50,31 +51,6 @@ def _components(trainer, variables):
 
 def _synced(trainer):
   return [np.asarray(v) for v in trainer.model.trainable_variables]
-
-
-def test_h1_average_lr1_with_accumulation_equals_sync(small_config):
-  # One trainer pair checks both equalities: H=1 is sync, and a local step
-  # of 2 accumulated micro-batches of 16 is one of the whole batch of 32
-  # (a wrong accumulation or a wrong synchronisation moves the variables).
-  # Sync on one device: N devices equal one (test_sync_equivalence.py).
-  sync = _trainer(small_config(num_devices=1, global_batch_size=32))
-  sync.train(12)
-  local = _trainer(small_config(mode="local_sgd", num_devices=2,
-                                sync_every=1, global_batch_size=16,
-                                grad_accum_steps=2))
-  local.train(6)
-  half = _synced(local)
-  local.train(6)
-  final, summary = _synced(local), local.summary()
-  assert max_diff(final, _synced(sync)) <= 1e-5
-  assert max_diff(final, half) > 1e-2  # It trained.
-  sync.close()
-  local.close()
-  # H=1 sends what float32 sync sends: one float32 value per weight a step.
-  params = sum(v.size for v in final)
-  assert summary["allreduce_bytes_per_step"] == 4 * params
-  assert summary["allreduce_ratio_to_float32"] == 1.0
-  assert summary["allreduce_bytes_total"] == 12 * 4 * params
 
 
 class _Alone:

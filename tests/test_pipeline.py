@@ -137,27 +137,44 @@ def assert_same_metrics(metrics, reference):
 
 # -- a step equals a single-device sync step --
 
-# GPipe and 1F1B each with one recompute setting (and the others in the
-# regularised and float16 tests below: GPipe hybrid with except_last, 1F1B
-# without recompute, K=3, and hybrid); the
+# 1F1B recomputing every stage, timed from its first step (GPipe without
+# recompute, from sync's checkpoint, is test_checkpoints_interchange_with_sync;
+# the other settings are in the regularised and float16 tests below (1F1B
+# without recompute, K=3, and hybrid) and test_pipeline_v2.py's; the
 # timed step (its timestamps and their control edges) must not change what
 # a step computes.
-@pytest.mark.parametrize("schedule,recompute,timing", [
-    ("gpipe", "never", "never"), ("1f1b", "always", "every")])
-def test_pipeline_equals_single_device_sync(tmp, sync_run, schedule,
-                                            recompute, timing):
+# Its timed steps also report the measured bubble and timeline.
+def test_pipeline_equals_single_device_sync(tmp, sync_run):
   trainer = build(config(
-      f"pipe_{schedule}_{recompute}", tmp, pipeline_schedule=schedule,
-      recompute=recompute, **dict(K2, pipeline_timing=timing)))
+      "pipe_1f1b_always", tmp, pipeline_schedule="1f1b",
+      recompute="always", **dict(K2, pipeline_timing="every")))
+  before = trainer.report()  # Only the prediction before any step.
+  assert "pipeline/bubble_measured" not in before.scalars
   # In two loops, as the reference: the metrics are the second's.
   trainer.train(STEPS // 2)
   metrics = trainer.train(STEPS - STEPS // 2)
   assert int(trainer.step.numpy()) == STEPS
-  variables = weights(trainer)
-  trainer.close()
-  assert max_diff(sync_run[0], variables) <= TOLERANCE
+  assert max_diff(sync_run[0], weights(trainer)) <= TOLERANCE
   assert metrics["train/skipped_steps"] == 0
+  assert set(metrics) == {"train/loss", "train/accuracy", "train/grad_norm",
+                          "train/skipped_steps", "train/skipped_steps_at_end"}
   assert_same_metrics(metrics, sync_run[1])
+  report = trainer.report()
+  assert set(report.scalars) == {
+      "pipeline/bubble_measured", "pipeline/bubble_predicted",
+      "pipeline/bubble_formula", "pipeline/step_ms",
+      "pipeline/step_ms_predicted"}
+  assert 0.0 <= report.scalars["pipeline/bubble_measured"] < 1.0
+  assert 0.0 < report.scalars["pipeline/bubble_predicted"] < 1.0
+  assert report.scalars["pipeline/step_ms"] > 0
+  image = report.images["pipeline/timeline"]
+  # The measured chart above the predicted one.
+  assert image.dtype == np.uint8 and image.ndim == 3
+  assert image.shape[0] > before.images["pipeline/timeline"].shape[0]
+  trainer.train(1)  # Another loop length: the same trace.
+  assert int(trainer.step.numpy()) == STEPS + 1
+  assert trainer.trace_counts == {"timed": 1}
+  trainer.close()
 
 
 @pytest.fixture(scope="module")
@@ -165,20 +182,17 @@ def regularised_sync(tmp):
   return trained(config("reg_sync", tmp, model="test_regularized_mlp"))
 
 
-# K=3 on an explicit split (1,2), and R=2 x K=2 GPipe on split 1 (stage 0
-# is the first Dense alone) recomputing all but the last stage's
-# activations: the same layouts on the plain MLP would check nothing these
-# do not. 1F1B in hybrid is the float16 hybrid test below.
-@pytest.mark.parametrize("pipeline", [
-    dict(K2, num_devices=3, num_stages=3, num_microbatches=2,
-         split_points="1,2"),
-    dict(R2K2, split_points="1", pipeline_schedule="gpipe",
-         recompute="except_last")], ids=["k3", "r2k2"])
-def test_regularised_model_equals_sync(tmp, regularised_sync, pipeline):
+# K=3 on an explicit split (1,2): the middle stage has no regulariser and
+# passes the term on. A regularised model in R=2 x K=2 hybrid is
+# test_pipeline_v2.py's (zb_h1 recomputing everything; its model's second
+# layer has both regularisers); 1F1B in hybrid is the float16 hybrid test
+# below.
+def test_regularised_model_equals_sync(tmp, regularised_sync):
   sync_vars, sync_metrics = regularised_sync
-  cfg = config("reg_pipe", tmp, model="test_regularized_mlp", **pipeline)
-  assert PipelineTrainer.num_replicas(cfg, LOCAL) == pipeline[
-      "num_devices"] // pipeline["num_stages"]
+  cfg = config("reg_pipe", tmp, model="test_regularized_mlp", **dict(
+      K2, num_devices=3, num_stages=3, num_microbatches=2,
+      split_points="1,2"))
+  assert PipelineTrainer.num_replicas(cfg, LOCAL) == 1
   trainer = build(cfg)
   penalty = float(tf.add_n(trainer.model.losses))
   metrics = trainer.train(STEPS)
@@ -189,9 +203,10 @@ def test_regularised_model_equals_sync(tmp, regularised_sync, pipeline):
   trainer.close()
 
 
-def test_checkpoints_interchange_with_sync(tmp, sync_reference):
+def test_checkpoints_interchange_with_sync(tmp, sync_run):
   # Sync trained half the steps (the reference's checkpoint); the pipeline
-  # resumes from it, saves at once, and trains the rest; sync resumes from
+  # (GPipe, no recompute, M=K=2) resumes from it, saves at once, and trains the
+  # rest, which equals sync's second loop, metrics too; sync resumes from
   # that save.
   def resumed(cfg, restore_from):
     trainer = build(cfg)
@@ -200,11 +215,17 @@ def test_checkpoints_interchange_with_sync(tmp, sync_reference):
     assert int(trainer.step.numpy()) == STEPS // 2
     return trainer
 
-  pipe = resumed(config("s_then_p", tmp, **K2), str(tmp / "sync"))
+  sync_reference = sync_run[0]
+  pipe = resumed(config("s_then_p", tmp, pipeline_schedule="gpipe",
+                        recompute="never", **dict(K2, num_microbatches=2)),
+                 str(tmp / "sync"))
   save(pipe)
-  pipe.train(STEPS // 2)
+  metrics = pipe.train(STEPS // 2)
+  assert int(pipe.step.numpy()) == STEPS
   s_then_p = weights(pipe)
   pipe.close()
+  assert metrics["train/skipped_steps"] == 0
+  assert_same_metrics(metrics, sync_run[1])
   sync = resumed(config("p_then_s", tmp), pipe.config.workdir)
   sync.train(STEPS // 2)
   p_then_s = weights(sync)
@@ -240,31 +261,26 @@ def assert_same_as_fp16_sync(variables, metrics, sync_fp16_reference):
       "train/skipped_steps"]
 
 
-def test_fp16_pipeline_equals_sync_and_its_checkpoint_restores_in_sync(
+def test_fp16_hybrid_equals_sync_restores_in_sync_and_skips_an_overflow(
     tmp, sync_fp16_reference):
-  pipe = build(config("fp16_k2", tmp, **K2, **FP16))
-  metrics = pipe.train(STEPS)
-  assert_same_as_fp16_sync(weights(pipe), metrics, sync_fp16_reference)
-  pipe.loss_scale.scale.assign(2.0 ** 20)  # Not what sync would start at.
-  workdir = pipe.config.workdir
-  checkpoints.Checkpointer(pipe.checkpoint_items(), workdir, 1).save(STEPS)
-  sync = build(config("fp16_k2", tmp, **FP16))
-  assert checkpoints.Checkpointer(sync.checkpoint_items(), workdir, 1).restore(
-      sync.scope()) is not None
-  assert sync.loss_scale.scale.numpy() == 2.0 ** 20
-  assert max_diff(weights(pipe), weights(sync)) == 0
-  pipe.close()
-  sync.close()
-
-
-def test_fp16_hybrid_equals_sync_then_an_overflow_skips_on_every_stage(
-    tmp, sync_fp16_reference):
+  # R=2 x K=2 (float16 on one pipeline, K=2 alone, is the digits run below:
+  # the same stages without the replicas' reduction).
   trainer = build(config("fp16_r2k2", tmp, **R2K2, **FP16))
   assert trainer.model.layers[1].compute_dtype == "float16"
   metrics = trainer.train(STEPS)  # Finite steps: applied.
   assert_same_as_fp16_sync(weights(trainer), metrics, sync_fp16_reference)
   applied = int(trainer.optimizer.iterations.numpy())
   assert applied == STEPS - metrics["train/skipped_steps"]
+  # Its checkpoint, loss scale included, restores in sync.
+  trainer.loss_scale.scale.assign(2.0 ** 20)  # Not what sync starts at.
+  workdir = trainer.config.workdir
+  checkpoints.Checkpointer(trainer.checkpoint_items(), workdir, 1).save(STEPS)
+  sync = build(config("fp16_r2k2", tmp, **FP16))
+  assert checkpoints.Checkpointer(sync.checkpoint_items(), workdir, 1).restore(
+      sync.scope()) is not None
+  assert sync.loss_scale.scale.numpy() == 2.0 ** 20
+  assert max_diff(weights(trainer), weights(sync)) == 0
+  sync.close()
   before = weights(trainer)
   # Inject an overflow: scaled by 2**40, float16 gradients become inf.
   trainer.loss_scale.scale.assign(2.0 ** 40)
@@ -290,7 +306,8 @@ def test_nonfinite_skip_drops_the_step(tmp):
   x[0] = np.nan
   nan = Dataset(x, y, synthetic.eval_x, synthetic.eval_y,
                 synthetic.num_classes)
-  trainer = build(config("skip", tmp, nonfinite="skip", **K2), nan)
+  trainer = build(config("skip", tmp, nonfinite="skip",
+                         **dict(K2, num_microbatches=2)), nan)
   metrics = trainer.train(4)
   assert metrics["train/skipped_steps"] == 2
   assert int(trainer.step.numpy()) == 4
@@ -302,7 +319,9 @@ def test_nonfinite_skip_drops_the_step(tmp):
 
 # -- placement, metrics and reporting --
 
-def test_stages_live_on_their_devices_and_report_the_bubble(tmp):
+def test_stages_live_on_their_devices_and_predict_the_bubble(tmp):
+  # Built, not trained: what a timed step measures is checked on the
+  # trainer of test_pipeline_equals_single_device_sync.
   trainer = build(config("placed", tmp, mode="pipeline", model="cnn",
                          num_devices=2, num_stages=2, num_microbatches=2,
                          global_batch_size=8, pipeline_timing="every"))
@@ -315,27 +334,9 @@ def test_stages_live_on_their_devices_and_report_the_bubble(tmp):
   before = trainer.report()  # Only the prediction before any step.
   assert "pipeline/bubble_measured" not in before.scalars
   assert before.scalars["pipeline/bubble_formula"] == pytest.approx(1 / 3)
-  metrics = trainer.train(2)
-  assert int(trainer.step.numpy()) == 2
-  assert set(metrics) == {"train/loss", "train/accuracy", "train/grad_norm",
-                          "train/skipped_steps", "train/skipped_steps_at_end"}
-  report = trainer.report()
-  assert set(report.scalars) == {
-      "pipeline/bubble_measured", "pipeline/bubble_predicted",
-      "pipeline/bubble_formula", "pipeline/step_ms",
-      "pipeline/step_ms_predicted"}
-  assert 0.0 <= report.scalars["pipeline/bubble_measured"] < 1.0
-  assert 0.0 < report.scalars["pipeline/bubble_predicted"] < 1.0
-  assert report.scalars["pipeline/step_ms"] > 0
-  image = report.images["pipeline/timeline"]
-  # The measured chart above the predicted one.
-  assert image.dtype == np.uint8 and image.ndim == 3
-  assert image.shape[0] > before.images["pipeline/timeline"].shape[0]
+  assert 0.0 < before.scalars["pipeline/bubble_predicted"] < 1.0
   assert trainer.summary()["pipeline_split"] == [
       ["conv", "pool"], ["flatten", "dense_1", "logits"]]
-  trainer.train(1)  # Another loop length: the same trace.
-  assert int(trainer.step.numpy()) == 3
-  assert trainer.trace_counts == {"timed": 1}
   trainer.close()
 
 

@@ -9,9 +9,17 @@ import pytest
 import tensorflow as tf
 
 from conftest import checkpoint_variables, max_diff
-from dist_loop import train
+from dist_loop import make_config, train
 from dist_loop.errors import NonFiniteError
 from helpers import NAN_DATASET, make_trainer, replica_copies, variables
+
+
+# The run of every test here: 2 replicas, Adam (its slots must resume too).
+RUN = dict(dataset="synthetic", model="mlp", num_devices=2,
+           global_batch_size=32, optimizer="adam", learning_rate=0.01,
+           steps_per_loop=3, log_every=3, eval_every=100,
+           checkpoint_every=100, seed=0)
+LOOPS = (5, 3, 4)  # Loops of any length, 12 steps.
 
 
 def _spy_all_reduce(monkeypatch):
@@ -27,32 +35,51 @@ def _spy_all_reduce(monkeypatch):
   return seen
 
 
-def test_one_all_reduce_carries_every_gradient_in_the_wire_dtype(
-    small_config, monkeypatch):
-  """Loops of any length share one trace, and report the metrics."""
-  seen = _spy_all_reduce(monkeypatch)
-  trained = {}
-  for compression, wire in (("none", tf.float32), ("bf16", tf.bfloat16)):
-    seen.clear()
-    trainer = make_trainer(small_config(
-        num_devices=2, allreduce_compression=compression,
-        allreduce_bucket_mb=0.004))
-    for n in (5, 3, 2):
+def _run_loops(workdir, compression):
+  """A trainer of RUN over LOOPS, its all-reduces spied on while it traces:
+  {seen, trace_count, step, metrics (of the last loop), variables}."""
+  with pytest.MonkeyPatch.context() as monkeypatch:
+    seen = _spy_all_reduce(monkeypatch)
+    trainer = make_trainer(make_config(
+        workdir=workdir, train_steps=sum(LOOPS),
+        allreduce_compression=compression, allreduce_bucket_mb=0.004, **RUN))
+    for n in LOOPS:
       metrics = trainer.train(n)
-    assert trainer.trace_count == 1
-    assert int(trainer.step.numpy()) == 10
+  out = dict(seen=seen, trace_count=trainer.trace_count,
+             step=int(trainer.step.numpy()), metrics=metrics,
+             variables=variables(trainer))
+  trainer.close()
+  return out
+
+
+@pytest.fixture(name="uninterrupted", scope="module")
+def _uninterrupted(tmp_path_factory):
+  """The float32 run: the all-reduce test's and the resume test's
+  reference."""
+  return _run_loops(str(tmp_path_factory.mktemp("whole")), "none")
+
+
+def test_one_all_reduce_carries_every_gradient_in_the_wire_dtype(
+    uninterrupted, tmp_path):
+  """Loops of any length share one trace, and report the metrics."""
+  runs = {"none": uninterrupted, "bf16": _run_loops(str(tmp_path), "bf16")}
+  for (compression, run), wire in zip(runs.items(),
+                                      (tf.float32, tf.bfloat16)):
+    assert run["trace_count"] == 1
+    assert run["step"] == sum(LOOPS)
     # One call per traced replica step (2 replicas trace it), holding the
     # kernel and bias of both Dense layers.
-    assert [len(call) for call in seen] == [4, 4], compression
-    assert all(d == wire for call in seen for d in call), compression
-    trained[compression] = variables(trainer)
-    trainer.close()
+    assert [len(call) for call in run["seen"]] == [4, 4], compression
+    assert all(d == wire for call in run["seen"] for d in call), compression
+    metrics = run["metrics"]
+    assert set(metrics) == {"train/loss", "train/accuracy",
+                            "train/grad_norm", "train/skipped_steps",
+                            "train/skipped_steps_at_end"}
+    assert metrics["train/loss"] > 0 and metrics["train/grad_norm"] > 0
+    assert 0 <= metrics["train/accuracy"] <= 1
   # bf16 rounds what is summed: a small difference, but a difference.
-  assert 0 < max_diff(trained["none"], trained["bf16"]) < 1e-2
-  assert set(metrics) == {"train/loss", "train/accuracy", "train/grad_norm",
-                          "train/skipped_steps", "train/skipped_steps_at_end"}
-  assert metrics["train/loss"] > 0 and metrics["train/grad_norm"] > 0
-  assert 0 <= metrics["train/accuracy"] <= 1
+  assert 0 < max_diff(runs["none"]["variables"],
+                      runs["bf16"]["variables"]) < 1e-2
 
 
 def test_a_non_finite_step_stops_the_loop_and_is_not_applied(small_config):
@@ -76,13 +103,8 @@ def test_a_non_finite_step_stops_the_loop_and_is_not_applied(small_config):
 def _resumed(tmp_path_factory):
   """A run to step 6, resumed to 12 with the flags text the entry point
   gives: (config, summary.json, flags.txt) as the resumed run left them."""
-  from dist_loop import make_config  # pylint: disable=g-import-not-at-top
   workdir = str(tmp_path_factory.mktemp("resume") / "run")
-  config = make_config(
-      workdir=workdir, dataset="synthetic", model="mlp", num_devices=2,
-      global_batch_size=32, train_steps=6, optimizer="adam",
-      learning_rate=0.01, steps_per_loop=3, log_every=3, eval_every=100,
-      checkpoint_every=100, seed=0)
+  config = make_config(workdir=workdir, train_steps=6, **RUN)
   train.run(config)  # Saves a checkpoint at its last step, 6.
   config = config.replace(train_steps=12)
   train.run(config, flags_text="--train_steps=12\n")
@@ -93,13 +115,11 @@ def _resumed(tmp_path_factory):
   return config, json.loads(files[0]), files[1]
 
 
-def test_resume_equals_uninterrupted(resumed):
+def test_resume_equals_uninterrupted(resumed, uninterrupted):
   config, summary, _ = resumed
   assert summary["final_step"] == 12
-  whole = make_trainer(config)
-  whole.train(12)
-  assert max_diff(variables(whole), checkpoint_variables(config)) <= 1e-6
-  whole.close()
+  assert max_diff(uninterrupted["variables"],
+                  checkpoint_variables(config)) <= 1e-6
   # Rerunning a finished run trains nothing.
   before = checkpoint_variables(config)
   assert train.run(config)["final_step"] == 12
@@ -116,3 +136,7 @@ def test_the_run_leaves_summary_json_and_flags(resumed):
   assert summary["allreduce_bytes_per_step"] == 4 * params
   assert summary["allreduce_bytes_total"] == 12 * 4 * params
   assert flags == "--train_steps=12\n"
+  # A healthy run (resumed: measured from the first run's first loss) is
+  # not diverged.
+  assert summary["diverged"] is None
+  assert summary["train_loss"] < summary["first_train_loss"]
