@@ -1,13 +1,12 @@
-r"""A finished run in TensorBoard, as a user sees it: the real server, and
-its pages in headless Chromium.
+r"""TensorBoard's pages in headless Chromium, as a user sees them.
 
-One TensorBoard server on the directory that holds a finished run (the run
-of tests/test_tensorboard.py, which checks its event files): its data API,
-then its Time Series and HParams pages in headless Chromium (Debian's
-`chromium`; `.ci/run` installs it), read through the DevTools protocol over
-a pipe (`--remote-debugging-pipe`: no port, no WebSocket client). The
-HParams dashboard is shadow DOM, which `--dump-dom` leaves out; the
-protocol's `Runtime.evaluate` walks it.
+Headless Chromium (Debian's `chromium`; `.ci/run` installs it), driven
+through the DevTools protocol over a pipe (`--remote-debugging-pipe`: no
+port, no WebSocket client), and what its Time Series and HParams pages
+show. The HParams dashboard is shadow DOM, which `--dump-dom` leaves out;
+the protocol's `Runtime.evaluate` walks it. The tests that load a finished
+run's pages are in tests/test_tensorboard.py, beside the checks of that
+run's event files: one run and one server for both.
 
 Run as a script, it makes the README's screenshot (`make screenshots`):
 
@@ -25,8 +24,6 @@ import sys
 import tempfile
 import time
 import urllib.parse
-
-import pytest
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome")
 FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
@@ -200,6 +197,30 @@ def hparams_row(texts, trial):
   return row if complete else None
 
 
+def test_the_page_readers_wait_for_complete_rows():
+  """What the pages' tests wait for: both charts with a row of every run,
+  and an HParams row with every number filled in."""
+  runs = ["demo/tb/train", "demo/tb/eval"]
+  card = lambda tag, *names: {"tag": tag, "chart": True, "rows": [
+      [name, "0.5", "10", "1s"] for name in names]}
+  assert train_and_eval_cards([card("loss", *runs)], runs) is None
+  assert train_and_eval_cards([card("loss", *runs), card("accuracy", runs[0])],
+                              runs) is None
+  found = train_and_eval_cards(
+      [card("loss", *runs), card("accuracy", *runs), card("grad_norm")], runs)
+  assert sorted(found) == ["accuracy", "loss"]
+  header = ["Trial ID", "Show Metrics", "mode", "eval loss", "eval accuracy",
+            "examples/sec", "wall time (s)"]
+  assert hparams_row(["demo"], "demo") is None
+  assert hparams_row(header + ["demo", "sync", "0.3", "0.9", "12.5"],
+                     "demo") is None  # The wall time is not shown yet.
+  assert hparams_row(header + ["demo", "sync", "0.3", "0.9", "12.5", "1e+01"],
+                     "demo") == {"Trial ID": "demo", "mode": "sync",
+                                 "eval loss": "0.3", "eval accuracy": "0.9",
+                                 "examples/sec": "12.5",
+                                 "wall time (s)": "1e+01"}
+
+
 def open_time_series(browser, base, workdir_name):
   """Loads the Time Series page of loss and accuracy for the runs of one
   workdir; returns {tag: rows} once both charts show both runs."""
@@ -214,63 +235,6 @@ def open_time_series(browser, base, workdir_name):
                    "'button[aria-label=\"Close side pane\"]')?.click()")
   time.sleep(1)  # The charts redraw at their new width.
   return cards
-
-
-@pytest.fixture(scope="module")
-def served_run(tmp_path_factory):
-  """(base URL, summary) of RUNS/demo (`train_demo`), served on RUNS."""
-  from test_tensorboard import serve, train_demo  # pylint: disable=g-import-not-at-top
-  workdir = str(tmp_path_factory.mktemp("runs") / "demo")
-  summary = train_demo(workdir)
-  with serve(os.path.dirname(workdir), "demo/tb/eval", "accuracy", 10) as b:
-    yield b, summary
-
-
-def test_the_server_names_the_runs_after_the_workdir(served_run):
-  from test_tensorboard import get_json  # pylint: disable=g-import-not-at-top
-  api = served_run[0] + "/data/"
-  loss = get_json(api + "plugin/scalars/scalars?run=demo/tb/train&tag=loss")
-  assert [step for _, step, _ in loss] == [5, 10]
-  assert get_json(api + "runs") == ["demo/tb", "demo/tb/eval", "demo/tb/train"]
-  layout = get_json(api + "plugin/custom_scalars/layout")
-  assert [c["title"] for c in layout["category"]] == [
-      "train and eval", "throughput"]
-  assert get_json(api + "plugins_listing")["profile"]["enabled"]
-
-
-def test_time_series_and_hparams_pages_in_chromium(served_run, tmp_path):
-  if find_chromium() is None:
-    pytest.skip("Chromium is not installed: Debian's package is `chromium` "
-                "(apt-get install -y chromium), which .ci/run installs")
-  base, summary = served_run
-  with Chromium(find_chromium()) as browser:
-    cards = open_time_series(browser, base, "demo")
-    # Each card overlays both runs, their last values at step 10.
-    assert sorted(cards) == ["accuracy", "loss"]
-    for rows in cards.values():
-      assert sorted((row[0], row[2]) for row in rows) == [
-          ("demo/tb/eval", "10"), ("demo/tb/train", "10")], rows
-    eval_accuracy = [r for r in cards["accuracy"] if r[0] == "demo/tb/eval"]
-    assert float(eval_accuracy[0][1]) == pytest.approx(
-        summary["eval_accuracy"], abs=1e-4)
-    shot = tmp_path / "time_series.png"
-    browser.screenshot(str(shot))
-    png = shot.read_bytes()
-    assert png[:8] == b"\x89PNG\r\n\x1a\n"
-    assert (int.from_bytes(png[16:20], "big"),  # Width and height.
-            int.from_bytes(png[20:24], "big")) == WINDOW
-
-    browser.open(f"{base}/#hparams")
-    row = browser.wait_for(TEXT_JS, lambda t: hparams_row(t, "demo"),
-                           "the HParams row of the run")
-    assert row["mode"] == "sync" and row["model"] == "mlp"
-    for column, key in (("eval loss", "eval_loss"),
-                        ("eval accuracy", "eval_accuracy"),
-                        ("examples/sec", "examples_per_sec"),
-                        ("wall time (s)", "wall_time_s")):
-      assert float(row[column]) == pytest.approx(summary[key], rel=1e-4), (
-          column, row)
-    browser.screenshot(str(tmp_path / "hparams.png"))
 
 
 def main(argv):

@@ -1,19 +1,37 @@
-"""tools.compare reads finished runs into one table and one plot."""
+"""tools.compare reads finished runs into one table and one plot.
+
+Two finished runs (one device, two devices), read in this process, then
+by `python -m tools.compare` as a user runs it, in a new process at the
+default verbosity (its own lines only) and at --verbosity=2 (TensorFlow's
+lines too): tests/test_quiet_tools.py's check of tools.bench, on tools.compare.
+"""
 
 import pytest
 import tensorflow as tf
 
 from conftest import read_events
-from dist_loop import train
+from dist_loop import make_config, train
+from test_quiet_tools import NOISE, run_tool
 from tools import compare
 
 
-def test_compare_two_runs(small_config, tmp_path):
-  a = small_config(workdir=str(tmp_path / "one_device"), train_steps=10)
-  b = small_config(workdir=str(tmp_path / "two_devices"), num_devices=2,
-                   train_steps=10)
-  train.run(a)
-  train.run(b)
+@pytest.fixture(name="runs", scope="module")
+def _runs(tmp_path_factory):
+  """The configs of two finished runs of 10 steps: on 1 and on 2 devices."""
+  root = tmp_path_factory.mktemp("compare")
+  configs = [make_config(workdir=str(root / name), dataset="synthetic",
+                         model="mlp", num_devices=n, global_batch_size=32,
+                         train_steps=10, optimizer="sgd", learning_rate=0.1,
+                         steps_per_loop=5, log_every=5, eval_every=10,
+                         checkpoint_every=10)
+             for name, n in (("one_device", 1), ("two_devices", 2))]
+  for config in configs:
+    train.run(config)
+  return configs
+
+
+def test_compare_two_runs(runs, tmp_path):
+  a, b = runs
   runs = [compare.load_run(a.workdir), compare.load_run(b.workdir)]
   assert [p[1] for p in runs[0]["curves"]["train/loss"]] == [5, 10]
   assert [p[1] for p in runs[1]["curves"]["eval/accuracy"]] == [10]
@@ -37,6 +55,24 @@ def test_compare_two_runs(small_config, tmp_path):
   assert tf.io.decode_png(encoded).shape == (800, 1100, 3)
   description = value.metadata.summary_description
   assert "one_device" in description and "two_devices" in description
+
+
+def test_compare_is_quiet_unless_asked(runs):
+  workdirs = [config.workdir for config in runs]
+  quiet = run_tool("tools.compare", *workdirs, "--plot=")
+  assert quiet.returncode == 0, quiet.stderr[-3000:]
+  header, rule, *rows = quiet.stdout.splitlines()
+  assert header.startswith("| run | mode |") and rule.startswith("| --- |")
+  assert rows[0].startswith("| one_device | sync | 1 | 10 |")
+  assert rows[1].startswith("| two_devices | sync | 2 | 10 |")
+  assert len(rows) == 2
+  assert quiet.stderr == ""
+
+  loud = run_tool("tools.compare", *workdirs, "--plot=", "--verbosity=2")
+  assert loud.returncode == 0, loud.stderr[-3000:]
+  assert loud.stdout == quiet.stdout
+  # TensorFlow's import notices and the event reader's INFO lines.
+  assert len(NOISE.findall(loud.stderr)) >= 3, loud.stderr[-3000:]
 
 
 def test_curves_of_a_workdir_from_before_the_train_and_eval_runs(tmp_path):

@@ -4,7 +4,8 @@ brings TensorFlow's back, as in `experiments.train` (`dist_loop/console.py`).
 One subprocess per case, as a user runs them, without the
 `TF_CPP_MIN_LOG_LEVEL` that conftest sets for this process: a user's shell
 has none. tools.bench at the default verbosity is checked on the quick
-suites of `test_bench.py`.
+suites of `test_bench.py`; tools.compare at both verbosities in
+`test_compare.py`, on the runs it compares in this process.
 """
 
 import json
@@ -17,7 +18,6 @@ import sys
 import pytest
 
 from conftest import REPO
-from dist_loop import train
 from tools.benchmarks import data_parallel
 
 # TensorFlow's, Keras's and absl's lines: Python `tensorflow` logger records
@@ -50,26 +50,6 @@ def test_noise_pattern_matches_tensorflow_lines_only():
           "16:24:57 sync on 1 device (CPU:0)  |  mlp: 2,698 parameters"]
   assert [bool(NOISE.search(line)) for line in noise] == [True] * len(noise)
   assert [bool(NOISE.search(line)) for line in ours] == [False] * len(ours)
-
-
-def test_compare_is_quiet_unless_asked(small_config, tmp_path):
-  config = small_config(workdir=str(tmp_path / "run"), train_steps=2,
-                        steps_per_loop=2, log_every=2, eval_every=2,
-                        checkpoint_every=2)
-  train.run(config)
-  quiet = run_tool("tools.compare", config.workdir, "--plot=")
-  assert quiet.returncode == 0, quiet.stderr[-3000:]
-  header, rule, row = quiet.stdout.splitlines()
-  assert header.startswith("| run | mode |") and rule.startswith("| --- |")
-  assert row.startswith("| run | sync | 1 | 2 |")
-  assert quiet.stderr == ""
-
-  loud = run_tool("tools.compare", config.workdir, "--plot=",
-                  "--verbosity=2")
-  assert loud.returncode == 0, loud.stderr[-3000:]
-  assert loud.stdout == quiet.stdout
-  # TensorFlow's import notices and the event reader's INFO lines.
-  assert len(NOISE.findall(loud.stderr)) >= 3, loud.stderr[-3000:]
 
 
 def _positive(value):

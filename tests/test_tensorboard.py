@@ -1,8 +1,10 @@
-"""What a run shows in TensorBoard, read from its event files.
+"""What a run shows in TensorBoard: its event files, then the real server.
 
-The real TensorBoard server serves the same run in tests/test_browser.py,
-which reads its data API and loads its pages in Chromium: one server start
-for both (`serve` and `train_demo` are shared from here).
+One finished run (`train_demo`), read from its event files, then served by
+one TensorBoard server on the directory that holds it: its data API, then
+its Time Series and HParams pages in headless Chromium (driven by
+tests/test_browser.py, which also makes the README's screenshot with
+`serve`).
 """
 
 import contextlib
@@ -22,6 +24,8 @@ from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.plugins.hparams import plugin_data_pb2
 
 from conftest import read_events
+from test_browser import (TEXT_JS, WINDOW, Chromium, find_chromium,
+                          hparams_row, open_time_series)
 from dist_loop import make_config, train
 from dist_loop.summaries import LOGDIR
 
@@ -160,3 +164,60 @@ def test_the_profile_is_in_the_train_run(finished_run):
   runs = glob.glob(os.path.join(finished_run[0], LOGDIR, "train", "plugins",
                                 "profile", "*", "*.xplane.pb"))
   assert len(runs) == 1
+
+
+# -- the same run, served --
+
+
+@pytest.fixture(scope="module")
+def served_run(finished_run):
+  """(base URL, summary) of RUNS/demo (`finished_run`), served on RUNS."""
+  workdir, summary = finished_run
+  with serve(os.path.dirname(workdir), "demo/tb/eval", "accuracy", 10) as b:
+    yield b, summary
+
+
+def test_the_server_names_the_runs_after_the_workdir(served_run):
+  api = served_run[0] + "/data/"
+  loss = get_json(api + "plugin/scalars/scalars?run=demo/tb/train&tag=loss")
+  assert [step for _, step, _ in loss] == [5, 10]
+  assert get_json(api + "runs") == ["demo/tb", "demo/tb/eval", "demo/tb/train"]
+  layout = get_json(api + "plugin/custom_scalars/layout")
+  assert [c["title"] for c in layout["category"]] == [
+      "train and eval", "throughput"]
+  assert get_json(api + "plugins_listing")["profile"]["enabled"]
+
+
+def test_time_series_and_hparams_pages_in_chromium(served_run, tmp_path):
+  if find_chromium() is None:
+    pytest.skip("Chromium is not installed: Debian's package is `chromium` "
+                "(apt-get install -y chromium), which .ci/run installs")
+  base, summary = served_run
+  with Chromium(find_chromium()) as browser:
+    cards = open_time_series(browser, base, "demo")
+    # Each card overlays both runs, their last values at step 10.
+    assert sorted(cards) == ["accuracy", "loss"]
+    for rows in cards.values():
+      assert sorted((row[0], row[2]) for row in rows) == [
+          ("demo/tb/eval", "10"), ("demo/tb/train", "10")], rows
+    eval_accuracy = [r for r in cards["accuracy"] if r[0] == "demo/tb/eval"]
+    assert float(eval_accuracy[0][1]) == pytest.approx(
+        summary["eval_accuracy"], abs=1e-4)
+    shot = tmp_path / "time_series.png"
+    browser.screenshot(str(shot))
+    png = shot.read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (int.from_bytes(png[16:20], "big"),  # Width and height.
+            int.from_bytes(png[20:24], "big")) == WINDOW
+
+    browser.open(f"{base}/#hparams")
+    row = browser.wait_for(TEXT_JS, lambda t: hparams_row(t, "demo"),
+                           "the HParams row of the run")
+    assert row["mode"] == "sync" and row["model"] == "mlp"
+    for column, key in (("eval loss", "eval_loss"),
+                        ("eval accuracy", "eval_accuracy"),
+                        ("examples/sec", "examples_per_sec"),
+                        ("wall time (s)", "wall_time_s")):
+      assert float(row[column]) == pytest.approx(summary[key], rel=1e-4), (
+          column, row)
+    browser.screenshot(str(tmp_path / "hparams.png"))
