@@ -13,6 +13,7 @@ ends the process, and pytest-xdist names the test and starts a new worker.
 
 import contextlib
 import faulthandler
+import gc
 import glob
 import io
 import os
@@ -53,6 +54,11 @@ def pytest_configure(config):
     return
   from dist_loop import devices  # pylint: disable=g-import-not-at-top
   devices.configure(NUM_TEST_DEVICES, "cpu")
+  # Tracing makes objects by the million, and each of the collector's full
+  # walks also went over every module object TensorFlow and Keras made at
+  # import: those are frozen out of its walks, and it walks less often.
+  gc.freeze()
+  gc.set_threshold(50_000, 20, 100)
 
 
 @pytest.hookimpl(optionalhook=True)
