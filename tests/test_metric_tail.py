@@ -2,18 +2,17 @@
 
 Every mode's `train(n)` ends in it, so a task's derived metrics (a language
 model's bits per byte) and the skip counts reach TensorBoard under the same
-names in every mode: here the tail itself, the ps chief's (a ps run needs a
-cluster, so its call's record is built by hand), and a real async run.
+names in every mode: here the tail itself and the ps chief's (a ps run needs
+a cluster, so its call's record is built by hand). A real run's tail, an
+async Transformer's bits per byte, is checked on the async run of
+test_transformer_modes.py (`test_async_one_worker_equals_sync_sgd`), which
+builds that trainer anyway.
 """
 
 import math
 
-import keras
 import numpy as np
 
-from dist_loop import configure, data, devices, make_config
-from dist_loop.cluster import Cluster
-from dist_loop.modes import build_trainer
 from dist_loop.modes.base import train_metrics
 from dist_loop.modes.ps import stats
 from dist_loop.precision import DynamicLossScale
@@ -66,23 +65,3 @@ def test_a_ps_call_reports_its_loss_scale():
   scale = DynamicLossScale(initial_scale=64.0)
   assert stats.call_metrics(LM, _record(1), scale)["train/loss_scale"] == 64.0
 
-
-def test_an_async_transformer_reports_bits_per_byte(tmp_path):
-  corpus = tmp_path / "corpus.txt"
-  corpus.write_text(" ".join(["alpha", "beta", "gamma"] * 400))
-  config = configure.validate(make_config(
-      workdir=str(tmp_path / "run"), mode="async", async_workers=1,
-      dataset="text", data_file=str(corpus), model="transformer",
-      num_layers=1, d_model=8, num_heads=1, mlp_ratio=1, seq_len=8,
-      num_devices=1, global_batch_size=8, train_steps=2, seed=0), Cluster())
-  keras.utils.set_random_seed(0)
-  trainer = build_trainer(config, devices.configure(1, "cpu"),
-                          data.load(config), Cluster())
-  try:
-    out = trainer.train(2)
-  finally:
-    trainer.close()
-  assert LM_NAMES <= set(out)
-  assert not any(k.startswith("train/") for k in set(out) - LM_NAMES)
-  assert out["train/bits_per_byte"] == out["train/loss"] / math.log(2.0)
-  assert out["train/skipped_steps"] == 0.0

@@ -1,5 +1,7 @@
 """Mixed precision and loss scaling; what each mode refuses; and the one
-accuracy test of sync (digits), against which the precisions compare."""
+accuracy test of sync (digits), against which the precisions compare. The
+float16 digits run is on 2 replicas, and an overflow injected after it must
+skip the step on both."""
 
 import numpy as np
 import pytest
@@ -20,9 +22,10 @@ DIGITS = dict(dataset="digits", model="mlp", optimizer="adam",
               checkpoint_every=150, seed=0)
 
 
-def _accuracy(workdir, precision, **mode):
+def _accuracy(workdir, precision, then=None, **mode):
   """(eval accuracy, the trainer's summary) of 150 steps on digits, trained
-  in this process (sync unless `mode` says otherwise)."""
+  in this process (sync unless `mode` says otherwise); `then(trainer)`
+  runs on the trained trainer before it is closed."""
   trainer = make_trainer(make_config(workdir=workdir, precision=precision,
                                      **DIGITS, **mode))
   trainer.train(DIGITS["train_steps"])
@@ -30,6 +33,8 @@ def _accuracy(workdir, precision, **mode):
     accuracy = Evaluator(trainer.model, trainer.dataset, 256,
                          trainer.task).evaluate()["eval/accuracy"]
   summary = trainer.summary() if isinstance(trainer, Reporting) else {}
+  if then is not None:
+    then(trainer)
   trainer.close()
   return accuracy, summary
 
@@ -40,9 +45,14 @@ def _float32_accuracy(tmp_path_factory):
 
 
 def test_sync_learns_digits_in_every_precision(float32_accuracy, tmp_path):
+  """float16 runs on 2 replicas, whose trained trainer then overflows
+  (`_overflow_skips_the_step_on_every_replica`)."""
   assert float32_accuracy > 0.9
-  for precision in ("mixed_bfloat16", "mixed_float16"):
-    accuracy, _ = _accuracy(str(tmp_path / precision), precision)
+  for precision, extra in (
+      ("mixed_bfloat16", {}),
+      ("mixed_float16", dict(num_devices=2,
+                             then=_overflow_skips_the_step_on_every_replica))):
+    accuracy, _ = _accuracy(str(tmp_path / precision), precision, **extra)
     assert abs(accuracy - float32_accuracy) <= 0.01, (precision, accuracy)
 
 
@@ -69,14 +79,13 @@ def test_mixed_precision_in_pipeline_and_async_modes(
       assert summary["async_applied"] == DIGITS["train_steps"]
 
 
-def test_fp16_overflow_skips_the_step_on_every_replica(small_config):
-  trainer = make_trainer(small_config(
-      num_devices=2, precision="mixed_float16", optimizer="adam",
-      learning_rate=0.01))
+def _overflow_skips_the_step_on_every_replica(trainer):
+  """On a float16 sync trainer of 2 replicas that has trained: an injected
+  overflow skips the next step on both."""
   assert trainer.model.layers[1].compute_dtype == "float16"
   assert trainer.model.trainable_variables[0].dtype == "float32"
-  trainer.train(2)  # Finite steps: applied.
-  assert int(trainer.optimizer.iterations.numpy()) == 2
+  # Finite steps: applied.
+  assert int(trainer.optimizer.iterations.numpy()) == DIGITS["train_steps"]
   before = replica_copies(trainer)
   # Inject an overflow: scaled by 2**40, float16 gradients become inf.
   scales = trainer.strategy.experimental_local_results(
@@ -90,9 +99,9 @@ def test_fp16_overflow_skips_the_step_on_every_replica(small_config):
   for b, a in zip(before, replica_copies(trainer)):  # No replica applied it.
     for rb, ra in zip(b, a):
       np.testing.assert_array_equal(rb, ra)
-  assert int(trainer.optimizer.iterations.numpy()) == 2
-  assert int(trainer.step.numpy()) == 3  # The step happened; its update not.
-  trainer.close()
+  assert int(trainer.optimizer.iterations.numpy()) == DIGITS["train_steps"]
+  # The step happened; its update not.
+  assert int(trainer.step.numpy()) == DIGITS["train_steps"] + 1
 
 
 def test_loss_scale_grows_after_good_steps():

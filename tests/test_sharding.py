@@ -5,11 +5,14 @@ precision and replica count (a covering set of them, `MATRIX`), and must
 come back to the same variables after a rollback to its own checkpoint;
 its checkpoints must be those of an unsharded run (restore in another mode,
 at another replica count, then sharded again: one chain of runs that starts
-from the matrix's stage-3 checkpoint); and it must hold what ZeRO's
-formulas say. Trainers are driven directly where the controller adds
-nothing, and each run of the matrix is built once and read by every test
-that needs it (the equivalence, the rollback, the chain's first link and
-reference, the memory figures, the repeat), so the matrix stays cheap.
+from the matrix's stage-3 checkpoint); a step it does not apply must leave
+its shards and model alone; and it must hold what ZeRO's formulas say.
+Trainers are driven directly where the controller adds nothing, and each
+run of the matrix is built once and read by every test that needs it (the
+equivalence, the rollback, the skipped steps, AdamW, the chain's first
+link and reference), so the matrix stays cheap. What a replica holds and
+sends is counted from the variables a trainer builds, so those figures
+come from trainers that are built and never traced.
 """
 
 import json
@@ -27,29 +30,31 @@ from dist_loop.cluster import Cluster
 from dist_loop.errors import NonFiniteError, UserError
 from dist_loop.sharding import accounting, layout
 from experiments.extensions import single_device  # pylint: disable=unused-import
-from helpers import NAN_DATASET, make_trainer, variables
+from helpers import make_trainer, variables
 
 STAGES = ("optimizer", "gradients", "weights")
-# A covering set: every stage trains ADAM_4 (Adam, float32, 4 replicas),
-# whose runs also give the memory figures and the checkpoint chain, and one
-# 2-replica SGD row in mixed precision with accumulation and bf16 on the
-# wire: bfloat16 for stages 1 and 3, float16 (loss scaling) for stage 2. So
-# every stage meets both optimizers, both replica counts, mixed precision,
-# accumulation, the bf16 wire and a rollback; AdamW (below) is a third
-# optimizer on stage 3.
-ADAM_4 = ("adam", "float32", 4, ())
+# A covering set: every stage trains ADAM_3 (Adam, float32, 3 replicas:
+# every variable of the MLP is padded, the 10-wide ones to 12), whose runs
+# also give the checkpoint chain, and SGD_BF16 (2 replicas, bfloat16, with
+# accumulation and bf16 on the wire); AdamW meets stage 3 in float16 with
+# loss scaling, accumulation and the bf16 wire. So every stage meets Adam
+# and SGD, both replica counts, mixed precision, accumulation, the bf16
+# wire and a rollback, and stage 3 also a third optimizer, the loss scale
+# and a skipped step (a float16 overflow, injected).
+ADAM_3 = ("adam", "float32", 3, (("global_batch_size", 24),))
 _MIXED = (("grad_accum_steps", 2), ("allreduce_compression", "bf16"))
 ROWS = {
-    "adam_4": ADAM_4,
+    "adam_3": ADAM_3,
     "sgd_bf16_2": ("sgd", "mixed_bfloat16", 2, _MIXED),
-    "sgd_fp16_2": ("sgd", "mixed_float16", 2, _MIXED),
+    "adamw_fp16_2": ("adamw", "mixed_float16", 2, _MIXED),
 }
 MATRIX = [
-    ("optimizer", "adam_4"), ("gradients", "adam_4"), ("weights", "adam_4"),
-    ("optimizer", "sgd_bf16_2"), ("weights", "sgd_bf16_2"),
-    ("gradients", "sgd_fp16_2"),
+    ("optimizer", "adam_3"), ("gradients", "adam_3"), ("weights", "adam_3"),
+    ("optimizer", "sgd_bf16_2"), ("gradients", "sgd_bf16_2"),
+    ("weights", "sgd_bf16_2"), ("weights", "adamw_fp16_2"),
 ]
 HALF = 3  # Steps per call; the checkpoint is taken after the first call.
+SKIPPED = 4  # Overflowed steps after the run, under a loss scale.
 _runs = {}  # Finished runs, shared by the tests that only read them.
 
 
@@ -59,25 +64,56 @@ def _flat(row, **overrides):
                 learning_rate=0.05), **dict(extra), **overrides}
 
 
+def _shard_copies(trainer):
+  """Every replica's copy of every shard variable, as numpy."""
+  return [[np.asarray(t) for t in
+           trainer.strategy.experimental_local_results(v.value)]
+          for v in trainer.sharding.state.shards]
+
+
+def _overflow(trainer):
+  """SKIPPED steps whose float16 gradients overflow (the loss scale set to
+  2**40 on every replica): {metrics, the variables and every replica's
+  shards before and after, the optimizer's iterations before and after}."""
+  before = variables(trainer), _shard_copies(trainer)
+  iterations = int(trainer.optimizer.iterations.numpy())
+  for copy in trainer.strategy.experimental_local_results(
+      trainer.loss_scale.scale):
+    copy.assign(2.0 ** 40)
+  metrics = trainer.train(SKIPPED)
+  return dict(metrics=metrics, before=before,
+              after=(variables(trainer), _shard_copies(trainer)),
+              iterations=(iterations,
+                          int(trainer.optimizer.iterations.numpy())))
+
+
 def _trained(config):
-  """One trainer of `config`: (variables after 2 x HALF steps in two calls,
-  report scalars, variables after rolling back to the checkpoint of step
-  HALF and training HALF steps again). The checkpoint stays in
+  """One trainer of `config`: {variables after 2 x HALF steps in two calls,
+  the optimizer's class and weight decay; sharded: variables after rolling
+  back to the checkpoint of step HALF and training HALF steps again, and,
+  under a loss scale, `_overflow` after it}. The checkpoint stays in
   WORKDIR/checkpoints as a run would leave it."""
   trainer = make_trainer(config)
   trainer.train(HALF)
   path = checkpoints.manager(trainer.checkpoint_items(), config.workdir,
                              1).save(checkpoint_number=HALF)
   trainer.train(HALF)
-  out = variables(trainer), trainer.report().scalars
-  # What a rollback does: restore mid-run, then train on.
-  tf.train.Checkpoint(**trainer.checkpoint_items()).read(
-      path).assert_existing_objects_matched()
-  trainer.on_restore()
-  trainer.train(HALF)
-  rolled_back = variables(trainer)
+  out = dict(variables=variables(trainer), workdir=config.workdir)
+  if trainer.sharding is not None:  # An unsharded run is a reference.
+    # What a rollback does: restore mid-run, then train on.
+    tf.train.Checkpoint(**trainer.checkpoint_items()).read(
+        path).assert_existing_objects_matched()
+    trainer.on_restore()
+    trainer.train(HALF)
+    out["rolled_back"] = variables(trainer)
+  optimizer = (trainer.optimizer if trainer.sharding is None
+               else trainer.sharding.state.optimizer)
+  out["optimizer"] = (type(optimizer).__name__,
+                      float(getattr(optimizer, "weight_decay", 0) or 0))
+  if trainer.sharding is not None and trainer.loss_scale is not None:
+    out["overflow"] = _overflow(trainer)
   trainer.close()
-  return out + (rolled_back,)
+  return out
 
 
 @pytest.fixture(name="runs_dir", scope="module")
@@ -87,14 +123,13 @@ def _runs_dir(tmp_path_factory):
 
 @pytest.fixture(name="shared")
 def _shared(small_config, runs_dir):
-  """`_trained` of a flat config, once per module, plus its workdir."""
+  """`_trained` of a flat config, once per module."""
 
   def run(**flat):
     key = json.dumps(flat, sort_keys=True)
     if key not in _runs:
       workdir = str(runs_dir / str(len(_runs)))
-      _runs[key] = _trained(small_config(workdir=workdir, **flat)) + (
-          workdir,)
+      _runs[key] = _trained(small_config(workdir=workdir, **flat))
     return _runs[key]
 
   return run
@@ -102,27 +137,48 @@ def _shared(small_config, runs_dir):
 
 @pytest.mark.parametrize("stage,row", MATRIX)
 def test_each_stage_equals_unsharded_and_rolls_back(shared, stage, row):
-  reference = shared(**_flat(row))[0]
-  sharded, _, rolled_back, _ = shared(**_flat(row, shard=stage))
-  assert max_diff(reference, sharded) <= 1e-6
+  reference = shared(**_flat(row))["variables"]
+  run = shared(**_flat(row, shard=stage))
+  assert max_diff(reference, run["variables"]) <= 1e-6
   # The replayed steps repeat the first ones; on the stage-3 bf16 row bit
   # for bit (a sharded run is deterministic).
   exact = (stage, row) == ("weights", "sgd_bf16_2")
-  assert max_diff(sharded, rolled_back) <= (0 if exact else 1e-6)
+  assert max_diff(run["variables"], run["rolled_back"]) <= (
+      0 if exact else 1e-6)
 
 
-def test_adamw_decays_and_shards_alike(shared, small_config, tmp_path):
-  adam = shared(**_flat("adam_4"))[0]
-  flat = _flat("adam_4", optimizer="adamw", num_devices=2)
-  unsharded = _trained(small_config(workdir=str(tmp_path / "none"),
-                                    **flat))[0]
-  sharded = _trained(small_config(workdir=str(tmp_path / "weights"),
-                                  shard="weights", **flat))[0]
-  assert max_diff(unsharded, sharded) <= 1e-6
-  # The decay is applied: Keras' 0.004 x the learning rate of the weights,
-  # per step, is ~4e-4 after 6 steps, far above what Adam on 4 replicas
-  # and on 2 differ by (<= 1e-5, N devices = 1 device).
-  assert max_diff(adam, unsharded) > 1e-4
+def test_skipped_steps_leave_shards_and_model_alone(shared):
+  """Stage 3 under a loss scale: overflowed steps are skipped on every
+  replica, and neither a shard nor the host model moves."""
+  run = shared(**_flat("adamw_fp16_2", shard="weights"))["overflow"]
+  assert run["metrics"]["train/skipped_steps"] == SKIPPED
+  assert "train/loss" not in run["metrics"]  # Never a loss of 0.
+  assert run["metrics"]["train/loss_scale"] == 2.0 ** (40 - SKIPPED)
+  model, shards = run["before"]
+  assert max_diff(model, run["after"][0]) == 0
+  for b, a in zip(shards, run["after"][1]):
+    assert len(b) == 2  # Each replica's own shard ...
+    for rb, ra in zip(b, a):  # ... left as it was.
+      np.testing.assert_array_equal(rb, ra)
+  assert run["iterations"][0] == run["iterations"][1] > 0
+
+
+def test_adamw_decays_and_shards_alike(shared):
+  """The matrix's AdamW row equals unsharded (above); here: both runs use
+  the registry's AdamW, whose update (`optim.apply_reduced`, as every
+  stage applies it) decays the weights where Adam's does not."""
+  for flat in (_flat("adamw_fp16_2"), _flat("adamw_fp16_2", shard="weights")):
+    name, decay = shared(**flat)["optimizer"]
+    assert name == "AdamW" and decay > 0, (name, decay)
+  moved = {}
+  for name in ("adam", "adamw"):
+    weight = keras.Variable(np.ones(4, np.float32))
+    optim.apply_reduced(optim.make(name, 0.05, [weight]),
+                        [tf.zeros(4)], [weight], tf.constant(True))
+    moved[name] = 1.0 - np.asarray(weight)
+  # A zero gradient: Adam's step is 0; the decay is 0.004 x 0.05 per step.
+  np.testing.assert_array_equal(moved["adam"], 0.0)
+  np.testing.assert_allclose(moved["adamw"], 0.004 * 0.05, rtol=1e-3)
 
 
 def test_layout_pads_and_assembles():
@@ -148,13 +204,13 @@ def test_layout_pads_and_assembles():
 
 
 def _run(small_config, workdir, steps, **flat):
-  """`train.run` of ADAM_4's settings to `steps` in `workdir`:
+  """`train.run` of ADAM_3's settings to `steps` in `workdir`:
   (variables, summary)."""
   config = small_config(workdir=workdir, train_steps=steps,
                         checkpoint_every=HALF, eval_every=HALF,
                         steps_per_loop=HALF, log_every=HALF,
                         allow_config_change=True,
-                        **_flat("adam_4", **flat))
+                        **_flat("adam_3", **flat))
   summary = train.run(config)
   return checkpoint_variables(config), summary
 
@@ -168,15 +224,17 @@ def _checkpoint_values(workdir):
 
 def test_checkpoints_move_between_stages_replica_counts_and_modes(
     shared, small_config, tmp_path):
-  """One chain, each run resuming the last one's checkpoint: stage 3 on 4
+  """One chain, each run resuming the last one's checkpoint: stage 3 on 3
   replicas (the matrix's run, at step HALF) -> another mode on 1 -> stage 2
-  on 2, against the matrix's unsharded run on 4."""
-  at_end, _, _, unsharded = shared(**_flat("adam_4"))
-  weights = shared(**_flat("adam_4", shard="weights"))[-1]
+  on 2, against the matrix's unsharded run on 3."""
+  unsharded = shared(**_flat("adam_3"))
+  at_end = unsharded["variables"]
+  weights = shared(**_flat("adam_3", shard="weights"))["workdir"]
   # The sharded checkpoint is an unsharded one: the same names, shapes
-  # (stage 3 pads the 10-wide variables to 12 on 4 replicas) and values,
-  # slot for slot.
-  expected, got = _checkpoint_values(unsharded), _checkpoint_values(weights)
+  # (stage 3 pads every variable on 3 replicas, the 10-wide ones to 12)
+  # and values, slot for slot.
+  expected = _checkpoint_values(unsharded["workdir"])
+  got = _checkpoint_values(weights)
   assert sorted(expected) == sorted(got)
   assert any("_variables/5" in k for k in expected)  # Slots are there.
   for key, value in expected.items():
@@ -197,18 +255,6 @@ def test_checkpoints_move_between_stages_replica_counts_and_modes(
 
 
 # -- crossings --
-
-
-def test_skipped_steps_leave_shards_and_model_alone(small_config):
-  config = small_config(num_devices=2, shard="weights", dataset=NAN_DATASET,
-                        nonfinite="skip")
-  trainer = make_trainer(config)
-  before = variables(trainer)
-  metrics = trainer.train(4)
-  assert metrics["train/skipped_steps"] == 4
-  assert "train/loss" not in metrics  # Never a loss of 0.
-  assert max_diff(before, variables(trainer)) == 0
-  trainer.close()
 
 
 def test_max_loss_stops_a_sharded_step(small_config):
@@ -251,11 +297,15 @@ def test_stage_three_refuses_non_trainable_state(small_config):
 # -- what a replica holds and sends --
 
 
-def test_memory_and_bytes_follow_the_formulas(shared):
-  """Read from the matrix's runs of ADAM_4 (Adam, 4 replicas)."""
-  seen = {stage: shared(**_flat(
-      "adam_4", **({} if stage == "none" else {"shard": stage})))[1]
-          for stage in ("none",) + STAGES}
+def test_memory_and_bytes_follow_the_formulas(small_config):
+  """Adam in float32 on 4 replicas, each stage's trainer built (the
+  figures are counted from its variables and layout; nothing is traced)."""
+  seen = {}
+  for stage in ("none",) + STAGES:
+    trainer = make_trainer(small_config(num_devices=4, optimizer="adam",
+                                        shard=stage))
+    seen[stage] = trainer.report().scalars
+    trainer.close()
   psi = seen["none"]["memory/weights_mb"]
   # Unsharded Adam: 4 + 4 + 8 bytes per parameter, as ZeRO counts.
   assert seen["none"]["memory/held_mb"] == pytest.approx(4 * psi)

@@ -1,6 +1,6 @@
 """The byte-level Transformer: causality, its pipeline split, and training
-it in sync mode (a short run learns more than byte frequencies; N devices
-equal 1 is in test_transformer_modes.py)."""
+it in sync mode (a short run in mixed_float16 learns more than byte
+frequencies; N devices equal 1 is in test_transformer_modes.py)."""
 
 import numpy as np
 import pytest
@@ -109,17 +109,21 @@ def _lm_config(small_config, **overrides):
 
 
 def test_a_short_run_learns_more_than_byte_frequencies(small_config):
+  """In mixed_float16, with its dynamic loss scale: the Transformer's
+  float16 run of test_transformer_modes.py (bfloat16 is there)."""
   config = _lm_config(small_config, num_layers=1, d_model=32, seq_len=32,
-                      global_batch_size=32, learning_rate=0.005,
-                      train_steps=200, steps_per_loop=50, log_every=200,
-                      eval_every=200, checkpoint_every=200)
+                      global_batch_size=32, learning_rate=0.01,
+                      precision="mixed_float16", train_steps=150,
+                      steps_per_loop=50, log_every=150, eval_every=150,
+                      checkpoint_every=150)
   summary = train.run(config)
   from dist_loop.data import text  # pylint: disable=g-import-not-at-top
   counts = np.bincount(np.frombuffer(text.pysource_bytes(), np.uint8),
                        minlength=256)
   p = counts[counts > 0] / counts.sum()
   unigram_nats = float(-(p * np.log(p)).sum())  # 3.11 nats (4.49 bits).
-  # It reaches about 0.73 of it: it has learnt which bytes follow which.
+  # It ends below 0.8 of it (0.80 after 100 steps, in float16 as in
+  # float32): it has learnt which bytes follow which.
   assert summary["eval_loss"] < 0.8 * unigram_nats, summary
   np.testing.assert_allclose(summary["eval_bits_per_byte"],
                              summary["eval_loss"] / np.log(2), rtol=1e-6)
