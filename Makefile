@@ -31,7 +31,7 @@ bench: install
 # if it is not there), in headless Chromium (Debian: apt-get install chromium).
 screenshots: install
 	@test -f $(WORKDIR)/summary.json || $(MAKE) train
-	$(PY) tests/test_browser.py $(WORKDIR) docs/tensorboard.png
+	$(PY) tests/browser.py $(WORKDIR) docs/tensorboard.png
 
 clean:
 	rm -rf runs

@@ -17,6 +17,7 @@ import gc
 import glob
 import io
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -190,6 +191,21 @@ def run_launch(*args, timeout=240):
       [sys.executable, "-m", "tools.launch", f"--timeout_s={timeout - 20}",
        *args], cwd=REPO, capture_output=True, text=True, timeout=timeout,
       env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+
+
+# TensorFlow's, Keras's and absl's lines: Python `tensorflow` logger records
+# (and absl's copies, `I1201 12:00:00.1 ...`), native ones (`I0000 ...`,
+# `E0000 ...`), the oneDNN notice and absl's pre-initialisation warning.
+NOISE = re.compile(r"^(INFO|WARNING):tensorflow:|^[IWEF]\d{4} |oneDNN|"
+                   r"absl::InitializeLog", re.MULTILINE)
+
+
+def run_tool(module, *args, timeout=300):
+  """`python -m MODULE ARGS` in a new process, as a user's shell runs it."""
+  env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+  return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO,
+                        capture_output=True, text=True, timeout=timeout,
+                        env=env)
 
 
 @pytest.fixture

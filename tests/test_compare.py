@@ -9,9 +9,8 @@ lines too): tests/test_quiet_tools.py's check of tools.bench, on tools.compare.
 import pytest
 import tensorflow as tf
 
-from conftest import read_events
+from conftest import NOISE, read_events, run_tool
 from dist_loop import make_config, train
-from test_quiet_tools import NOISE, run_tool
 from tools import compare
 
 

@@ -212,7 +212,6 @@ TESTS = os.path.join(REPO, "tests")
 # Test files that still import from another test file; what they share
 # belongs in tests/helpers.py. The list may only shrink.
 IMPORTS_FROM_TEST_FILES = {
-    ("test_browser", "test_tensorboard"),
     ("test_sync_equivalence", "test_step"),
 }
 

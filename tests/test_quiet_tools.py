@@ -10,29 +10,12 @@ suites of `test_bench.py`; tools.compare at both verbosities in
 
 import json
 import math
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import NOISE, run_tool
 from tools.benchmarks import data_parallel
-
-# TensorFlow's, Keras's and absl's lines: Python `tensorflow` logger records
-# (and absl's copies, `I1201 12:00:00.1 ...`), native ones (`I0000 ...`,
-# `E0000 ...`), the oneDNN notice and absl's pre-initialisation warning.
-NOISE = re.compile(r"^(INFO|WARNING):tensorflow:|^[IWEF]\d{4} |oneDNN|"
-                   r"absl::InitializeLog", re.MULTILINE)
-
-
-def run_tool(module, *args, timeout=300):
-  """`python -m MODULE ARGS` in a new process, as a user's shell runs it."""
-  env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
-  return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO,
-                        capture_output=True, text=True, timeout=timeout,
-                        env=env)
 
 
 def test_noise_pattern_matches_tensorflow_lines_only():

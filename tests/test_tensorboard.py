@@ -3,83 +3,22 @@
 One finished run (`train_demo`), read from its event files, then served by
 one TensorBoard server on the directory that holds it: its data API, then
 its Time Series and HParams pages in headless Chromium (driven by
-tests/test_browser.py, which also makes the README's screenshot with
-`serve`).
+tests/browser.py, which also makes the README's screenshot).
 """
 
-import contextlib
 import glob
-import gzip
-import json
 import os
-import socket
-import subprocess
-import sys
-import time
-import urllib.parse
-import urllib.request
 
 import pytest
 from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.plugins.hparams import plugin_data_pb2
 
+from browser import (TEXT_JS, WINDOW, Chromium, find_chromium, get_json,
+                     hparams_row, open_time_series, serve,
+                     train_and_eval_cards)
 from conftest import read_events
-from test_browser import (TEXT_JS, WINDOW, Chromium, find_chromium,
-                          hparams_row, open_time_series)
 from dist_loop import make_config, train
 from dist_loop.summaries import LOGDIR
-
-SERVER_START_TIMEOUT_S = 90
-
-
-def _free_port():
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-def get_json(url):
-  with urllib.request.urlopen(url, timeout=10) as r:
-    raw = r.read()
-    if r.headers.get("Content-Encoding") == "gzip":
-      raw = gzip.decompress(raw)
-    return json.loads(raw)
-
-
-@contextlib.contextmanager
-def serve(logdir, ready_run, ready_tag, ready_step):
-  """A TensorBoard server on `logdir`, once it serves `ready_step` of the
-  scalar `ready_tag` of `ready_run` (it lists runs before reading their
-  files). Yields its base URL."""
-  port = _free_port()
-  proc = subprocess.Popen(
-      [sys.executable, "-m", "tensorboard.main", "--logdir", logdir,
-       "--host", "127.0.0.1", "--port", str(port), "--reload_interval", "1"],
-      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-  base = f"http://127.0.0.1:{port}"
-  url = (f"{base}/data/plugin/scalars/scalars?"
-         f"run={urllib.parse.quote(ready_run)}&tag={ready_tag}")
-  deadline = time.time() + SERVER_START_TIMEOUT_S
-  try:
-    while True:
-      try:
-        served = get_json(url)
-        if served and served[-1][1] == ready_step:
-          break
-      except OSError:
-        pass
-      if proc.poll() is not None or time.time() > deadline:
-        proc.terminate()  # Else reading its stderr would wait for its end.
-        _, err = proc.communicate(timeout=30)
-        raise AssertionError(
-            f"tensorboard did not serve step {ready_step} of {ready_run} "
-            f"{ready_tag} in time: " + err.decode()[-2000:])
-      time.sleep(0.2)
-    yield base
-  finally:
-    proc.kill()  # It only reads: nothing to lose, and SIGTERM takes seconds.
-    proc.wait(timeout=30)
-
 
 def train_demo(workdir):
   """A sync run on 2 devices in `workdir` (named `demo`), with histograms
@@ -221,3 +160,27 @@ def test_time_series_and_hparams_pages_in_chromium(served_run, tmp_path):
       assert float(row[column]) == pytest.approx(summary[key], rel=1e-4), (
           column, row)
     browser.screenshot(str(tmp_path / "hparams.png"))
+
+
+def test_the_page_readers_wait_for_complete_rows():
+  """What the pages' tests wait for: both charts with a row of every run,
+  and an HParams row with every number filled in."""
+  runs = ["demo/tb/train", "demo/tb/eval"]
+  card = lambda tag, *names: {"tag": tag, "chart": True, "rows": [
+      [name, "0.5", "10", "1s"] for name in names]}
+  assert train_and_eval_cards([card("loss", *runs)], runs) is None
+  assert train_and_eval_cards([card("loss", *runs), card("accuracy", runs[0])],
+                              runs) is None
+  found = train_and_eval_cards(
+      [card("loss", *runs), card("accuracy", *runs), card("grad_norm")], runs)
+  assert sorted(found) == ["accuracy", "loss"]
+  header = ["Trial ID", "Show Metrics", "mode", "eval loss", "eval accuracy",
+            "examples/sec", "wall time (s)"]
+  assert hparams_row(["demo"], "demo") is None
+  assert hparams_row(header + ["demo", "sync", "0.3", "0.9", "12.5"],
+                     "demo") is None  # The wall time is not shown yet.
+  assert hparams_row(header + ["demo", "sync", "0.3", "0.9", "12.5", "1e+01"],
+                     "demo") == {"Trial ID": "demo", "mode": "sync",
+                                 "eval loss": "0.3", "eval accuracy": "0.9",
+                                 "examples/sec": "12.5",
+                                 "wall time (s)": "1e+01"}

@@ -6,24 +6,29 @@ port, no WebSocket client), and what its Time Series and HParams pages
 show. The HParams dashboard is shadow DOM, which `--dump-dom` leaves out;
 the protocol's `Runtime.evaluate` walks it. The tests that load a finished
 run's pages are in tests/test_tensorboard.py, beside the checks of that
-run's event files: one run and one server for both.
+run's event files: one run and one server for both. `serve` starts that
+server.
 
 Run as a script, it makes the README's screenshot (`make screenshots`):
 
-    python tests/test_browser.py runs/default docs/tensorboard.png
+    python tests/browser.py runs/default docs/tensorboard.png
 """
 
 import base64
+import contextlib
+import gzip
 import json
 import os
 import re
 import select
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.parse
+import urllib.request
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome")
 FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
@@ -197,30 +202,6 @@ def hparams_row(texts, trial):
   return row if complete else None
 
 
-def test_the_page_readers_wait_for_complete_rows():
-  """What the pages' tests wait for: both charts with a row of every run,
-  and an HParams row with every number filled in."""
-  runs = ["demo/tb/train", "demo/tb/eval"]
-  card = lambda tag, *names: {"tag": tag, "chart": True, "rows": [
-      [name, "0.5", "10", "1s"] for name in names]}
-  assert train_and_eval_cards([card("loss", *runs)], runs) is None
-  assert train_and_eval_cards([card("loss", *runs), card("accuracy", runs[0])],
-                              runs) is None
-  found = train_and_eval_cards(
-      [card("loss", *runs), card("accuracy", *runs), card("grad_norm")], runs)
-  assert sorted(found) == ["accuracy", "loss"]
-  header = ["Trial ID", "Show Metrics", "mode", "eval loss", "eval accuracy",
-            "examples/sec", "wall time (s)"]
-  assert hparams_row(["demo"], "demo") is None
-  assert hparams_row(header + ["demo", "sync", "0.3", "0.9", "12.5"],
-                     "demo") is None  # The wall time is not shown yet.
-  assert hparams_row(header + ["demo", "sync", "0.3", "0.9", "12.5", "1e+01"],
-                     "demo") == {"Trial ID": "demo", "mode": "sync",
-                                 "eval loss": "0.3", "eval accuracy": "0.9",
-                                 "examples/sec": "12.5",
-                                 "wall time (s)": "1e+01"}
-
-
 def open_time_series(browser, base, workdir_name):
   """Loads the Time Series page of loss and accuracy for the runs of one
   workdir; returns {tag: rows} once both charts show both runs."""
@@ -237,8 +218,60 @@ def open_time_series(browser, base, workdir_name):
   return cards
 
 
+SERVER_START_TIMEOUT_S = 90
+
+
+def _free_port():
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def get_json(url):
+  with urllib.request.urlopen(url, timeout=10) as r:
+    raw = r.read()
+    if r.headers.get("Content-Encoding") == "gzip":
+      raw = gzip.decompress(raw)
+    return json.loads(raw)
+
+
+@contextlib.contextmanager
+def serve(logdir, ready_run, ready_tag, ready_step):
+  """A TensorBoard server on `logdir`, once it serves `ready_step` of the
+  scalar `ready_tag` of `ready_run` (it lists runs before reading their
+  files). Yields its base URL."""
+  port = _free_port()
+  proc = subprocess.Popen(
+      [sys.executable, "-m", "tensorboard.main", "--logdir", logdir,
+       "--host", "127.0.0.1", "--port", str(port), "--reload_interval", "1"],
+      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+  base = f"http://127.0.0.1:{port}"
+  url = (f"{base}/data/plugin/scalars/scalars?"
+         f"run={urllib.parse.quote(ready_run)}&tag={ready_tag}")
+  deadline = time.time() + SERVER_START_TIMEOUT_S
+  try:
+    while True:
+      try:
+        served = get_json(url)
+        if served and served[-1][1] == ready_step:
+          break
+      except OSError:
+        pass
+      if proc.poll() is not None or time.time() > deadline:
+        proc.terminate()  # Else reading its stderr would wait for its end.
+        _, err = proc.communicate(timeout=30)
+        raise AssertionError(
+            f"tensorboard did not serve step {ready_step} of {ready_run} "
+            f"{ready_tag} in time: " + err.decode()[-2000:])
+      time.sleep(0.2)
+    yield base
+  finally:
+    proc.kill()  # It only reads: nothing to lose, and SIGTERM takes seconds.
+    proc.wait(timeout=30)
+
+
 def main(argv):
-  """`python tests/test_browser.py WORKDIR OUT.png`: a screenshot of
+  """`python tests/browser.py WORKDIR OUT.png`: a screenshot of
   WORKDIR's curves as `tensorboard --logdir` on its parent shows them."""
   if len(argv) != 3 or find_chromium() is None:
     print(__doc__ if len(argv) != 3 else "chromium is not installed",
@@ -249,7 +282,6 @@ def main(argv):
     final_step = json.load(f)["final_step"]
   from dist_loop import console  # pylint: disable=g-import-not-at-top
   console.start(0)  # TensorFlow, imported below, starts quietly.
-  from test_tensorboard import serve  # pylint: disable=g-import-not-at-top
   name = os.path.basename(workdir)
   with serve(os.path.dirname(workdir), f"{name}/tb/eval", "accuracy",
              final_step) as base:
