@@ -28,9 +28,10 @@ ms` is the CPU a worker spends on one all-reduce alone (gRPC copies and
 reductions, all its threads): a worker pinned to one core has no other core
 to run it on, so it adds to the step whatever the order of the collectives.
 `exposed ms (DiLoCo)` is the 2-worker DiLoCo step minus compute alone: it
-communicates once per H steps, so what it exposes is mostly the two workers
-running side by side (shared caches and memory, each step waiting for the
-slower one), a floor under any synchronous variant.
+communicates once per H steps, so what it exposes is mostly the cost of two
+workers running side by side (shared caches and memory bandwidth, the
+slower one setting the pace at each sync), a floor under any synchronous
+variant.
 
 A full run takes about 40 minutes; `--models=deep_mlp,cnn` and
 `--variants="float32, buckets;DiLoCo H=16"` (`;`-separated) time a subset
