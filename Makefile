@@ -22,7 +22,7 @@ train: install
 	$(PY) -m experiments.train --flagfile=experiments/configs/default.flags --workdir=$(WORKDIR)
 
 test: install
-	$(PY) -m pytest -q -n 2 --dist worksteal tests
+	$(PY) -m pytest -q -n 2 --dist loadscope --no-loadscope-reorder tests
 
 bench: install
 	$(PY) -m tools.bench --suite=all --out=bench.json

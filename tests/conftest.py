@@ -91,6 +91,23 @@ def _op_determinism_off_after_each_test():
     tf_config.disable_op_determinism()
 
 
+# The slowest modules, slowest first (`pytest --durations=0`, summed per
+# module): `make test` hands whole modules to its two workers in collection
+# order (`--dist loadscope --no-loadscope-reorder`), so these go first and
+# the run ends on short ones, with both workers busy to the end. A module
+# is never split between workers, so its module fixtures are built once.
+SLOWEST_MODULES = ("test_ps", "test_multiworker", "test_reliability",
+                   "test_entry_point", "test_sharding", "test_flag_fuzz",
+                   "test_bench", "test_transformer_modes", "test_pipeline_v2",
+                   "test_compression", "test_pipeline", "test_local_sgd")
+
+
+def pytest_collection_modifyitems(items):
+  first = {name: rank for rank, name in enumerate(SLOWEST_MODULES)}
+  # Stable: each module's tests, and the other modules, keep their order.
+  items.sort(key=lambda item: first.get(item.path.stem, len(first)))
+
+
 def checkpoint_variables(config):
   """The trainable variables of a run's latest checkpoint, as numpy."""
   from dist_loop import checkpoints  # pylint: disable=g-import-not-at-top
