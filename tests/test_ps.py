@@ -2,11 +2,8 @@
 
 In-process: the locked update (decision, write order, float16 rule), the
 stats vector, the atomic counter, the bounded wait and the mode's rules.
-Across processes, one cluster story (each task is a TensorFlow start-up,
-so the servers are started once): tools.launch's Launcher runs a chief, two
-workers and two PSs that train digits with a worker killed mid-run; then a
-new chief reruns the command over a smaller cluster of the servers still
-serving (one worker, one PS) and resumes the run until its PS is killed.
+Across processes (tools.launch): one run trains digits with a worker killed
+mid-run, and a rerun on a new cluster resumes it until its PS is killed.
 """
 
 import dataclasses
@@ -16,7 +13,6 @@ import re
 import shutil
 import signal
 import sys
-import threading
 import time
 import types
 
@@ -25,7 +21,7 @@ import pytest
 import tensorflow as tf
 
 from conftest import read_events
-from dist_loop import checkpoints, configure, console, data, optim, staleness
+from dist_loop import checkpoints, configure, data, optim, staleness
 from dist_loop.cluster import Cluster, ClusterError
 from dist_loop.errors import UserError
 from dist_loop.evaluation import Evaluator
@@ -33,7 +29,7 @@ from dist_loop.modes.ps import counter, server, stats, trainer, update
 from dist_loop.modes.ps import PSTrainer
 from dist_loop.precision import DynamicLossScale
 from dist_loop.summaries import LOGDIR
-from tools import launch, local_cluster
+from tools import launch
 
 PS_CLUSTER = Cluster({"chief": ["c:1"], "worker": ["a:1", "b:1"],
                       "ps": ["p:1"]}, "chief", 0)
@@ -306,7 +302,7 @@ def _command(workdir, **overrides):
           *[f"--{k}={v}" for k, v in flags.items()], f"--workdir={workdir}"]
 
 
-def _wait_for(path, text, processes, timeout=240):
+def _wait_for(path, text, processes, timeout=90):
   deadline = time.monotonic() + timeout
   while not (os.path.exists(path) and text in open(path).read()):
     assert time.monotonic() < deadline, f"no {text!r} in {path}"
@@ -314,9 +310,11 @@ def _wait_for(path, text, processes, timeout=240):
     time.sleep(0.2)
 
 
+
+
 def _launcher(workdir, command, num_workers, num_ps):
   return launch.Launcher(command, num_workers=num_workers, num_ps=num_ps,
-                         log_dir=str(workdir / "logs"), timeout_s=240,
+                         log_dir=str(workdir / "logs"), timeout_s=150,
                          quiet=True)
 
 
@@ -324,78 +322,33 @@ def _processes(launcher):
   return [t.process for t in launcher.tasks.values()]
 
 
-def _rerun_chief(launcher, command, log_path):
-  """The chief of the same command, started anew over a smaller cluster of
-  the launcher's servers that still serve: worker:0 and ps:0, as the
-  launcher started them (same TF_CONFIG form, same environment)."""
-  spec = {"chief": [f"localhost:{local_cluster.free_ports(1)[0]}"],
-          "worker": launcher.spec["worker"][:1], "ps": launcher.spec["ps"][:1]}
-  env = {**os.environ, "PYTHONUNBUFFERED": "1",
-         "TF_CPP_MIN_LOG_LEVEL": console.native_log_level(0),
-         "TF_CONFIG": json.dumps({"cluster": spec,
-                                  "task": {"type": "chief", "index": 0}})}
-  chief = local_cluster.Task("chief", 0, trains=True)
-  chief.start(command, env, str(log_path), threading.Lock(), quiet=True)
-  return chief
-
-
 @pytest.fixture(scope="module")
-def ps_story(tmp_path_factory):
-  """The cluster story, told once: each task is a TensorFlow start-up.
+def killed_worker_run(tmp_path_factory):
+  """A float16 run of 100 steps on digits; worker:1 is killed at step 40.
 
-  1. `tools.launch`'s Launcher runs a chief, two workers and two PSs: a
-     float16 run of 100 steps on digits; worker:1 is SIGKILLed at step 40,
-     and the chief finishes. Two PSs: the variables are spread over both,
-     and the lock on ps:0 still orders every update.
-  2. The command is rerun (more steps, on a copy of the finished workdir)
-     by a new chief over a smaller cluster of the servers still serving,
-     worker:0 and ps:0: the variables saved from two PSs are restored onto
-     one, as a coordinator restarted on running servers restores them.
-     Once it trained past the checkpoint, ps:0 is SIGKILLed.
-
-  Returns:
-    (the first run's workdir, its summary.json, the rerun's workdir, the
-    rerun chief's exit code).
+  Two PSs: the variables are spread over both, and the lock on ps:0 still
+  orders every update.
   """
-  root = tmp_path_factory.mktemp("ps")
-  workdir, rerun_dir = root / "run", root / "rerun"
+  workdir = tmp_path_factory.mktemp("ps") / "run"
   launcher = _launcher(workdir, _command(workdir), num_workers=2, num_ps=2)
-  rerun = None
   launcher.start()
   try:
-    chief_log = workdir / "logs" / "chief-0.log"
-    _wait_for(chief_log, f"step {KILL_WORKER_AT}/{STEPS}",
-              _processes(launcher))
+    _wait_for(workdir / "logs" / "chief-0.log",
+              f"step {KILL_WORKER_AT}/{STEPS}", _processes(launcher))
     launcher.tasks["worker:1"].signal(signal.SIGKILL)
-    # Not `launcher.wait()`: it stops the servers once the chief is done,
-    # and the rerun needs them.
-    code = launcher.tasks["chief:0"].process.wait(timeout=240)
-    assert code == 0, chief_log.read_text()[-4000:]
-    assert launcher.tasks["worker:1"].poll() == -signal.SIGKILL
-    shutil.copytree(workdir, rerun_dir, ignore=shutil.ignore_patterns("logs"))
-    rerun_log = rerun_dir / "logs" / "chief-0.log"
-    rerun_log.parent.mkdir()
-    rerun = _rerun_chief(launcher, _command(rerun_dir, train_steps=100000),
-                         rerun_log)
-    servers = [launcher.tasks[name].process for name in ("worker:0", "ps:0")]
-    _wait_for(rerun_log, f"step {STEPS + 20}/100000",
-              [rerun.process, *servers])
-    launcher.tasks["ps:0"].signal(signal.SIGKILL)
-    # The chief must notice the lost PS by itself, and say so.
-    rerun_code = rerun.process.wait(timeout=120)
+    code = launcher.wait()
   finally:
-    if rerun is not None and rerun.poll() is None:
-      rerun.signal(signal.SIGKILL)
-      rerun.process.wait()
     launcher.stop()
+  chief_log = (workdir / "logs" / "chief-0.log").read_text()
+  assert code == 0, chief_log[-4000:]
+  assert launcher.tasks["worker:1"].poll() == -signal.SIGKILL
   with open(workdir / "summary.json", encoding="utf-8") as f:
-    return workdir, json.load(f), rerun_dir, rerun_code
+    return workdir, json.load(f)
 
 
-# The story's two runs (the fixture) fall under its first test's bound.
-@pytest.mark.timeout(900)
-def test_ps_trains_digits_within_the_bound_despite_a_killed_worker(ps_story):
-  workdir, s, _, _ = ps_story
+def test_ps_trains_digits_within_the_bound_despite_a_killed_worker(
+    killed_worker_run):
+  workdir, s = killed_worker_run
   assert s["final_step"] == STEPS and s["ps_applied"] == STEPS
   assert s["eval_accuracy"] > 0.9
   assert s["ps_workers"] == 2 and s["ps_servers_holding_weights"] == 2
@@ -433,12 +386,26 @@ def test_ps_trains_digits_within_the_bound_despite_a_killed_worker(ps_story):
                              atol=1e-6)
 
 
-def test_a_killed_ps_stops_the_run_and_a_rerun_resumes(ps_story):
-  """The rerun resumed the finished run on fewer servers; then its PS was
-  killed. The chief says so in one line: TensorFlow's and gRPC's error text
-  about the lost task is hidden."""
-  _, _, workdir, code = ps_story
-  text = (workdir / "logs" / "chief-0.log").read_text()
+def test_a_killed_ps_stops_the_run_and_a_rerun_resumes(killed_worker_run,
+                                                       tmp_path):
+  """A new, smaller cluster resumes (a copy of) the finished run; then its
+  PS is killed. The chief says so in one line: TensorFlow's and gRPC's
+  error text about the lost task is hidden."""
+  workdir = tmp_path / "run"
+  shutil.copytree(killed_worker_run[0], workdir)
+  launcher = _launcher(workdir, _command(workdir, train_steps=100000),
+                       num_workers=1, num_ps=1)
+  launcher.start()
+  chief_log = workdir / "logs" / "chief-0.log"
+  try:
+    _wait_for(chief_log, f"step {STEPS + 20}/100000", _processes(launcher))
+    launcher.tasks["ps:0"].signal(signal.SIGKILL)
+    # Not `launcher.wait()`: it would stop the chief as soon as the PS
+    # died; here the chief must notice by itself, and say so.
+    code = launcher.tasks["chief:0"].process.wait(timeout=90)
+  finally:
+    launcher.stop()
+  text = chief_log.read_text()
   assert code == 1, text[-4000:]
   assert f"Resumed from {workdir / 'checkpoints' / f'ckpt-{STEPS}'}" in text
   errors = [line for line in text.splitlines() if "error" in line.lower()]
