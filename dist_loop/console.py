@@ -14,7 +14,8 @@ steps:
   `--verbosity` sets it whatever the environment says, so one flag rules the
   terminal), and the import itself with its native start-up notices (oneDNN,
   absl's pre-initialisation warning) filtered out; some of them ignore
-  `TF_CPP_MIN_LOG_LEVEL`.
+  `TF_CPP_MIN_LOG_LEVEL`. The import is `tf_import.import_tensorflow`'s,
+  which spares it a plotting library.
 * `setup(verbosity)`, once flags are parsed: a filter on absl's handler that
   tells our records (logged from dist_loop/, experiments/, tools/) from
   everyone else's, the `tensorflow` logger's level, and a short line format.
@@ -33,7 +34,6 @@ From 2 on, lines have absl's own prefix (severity, time, thread, file:line).
 
 import contextlib
 import functools
-import importlib
 import logging
 import os
 import re
@@ -42,6 +42,8 @@ import tempfile
 from typing import Sequence
 
 from absl import logging as absl_logging
+
+from dist_loop import tf_import
 
 _REPO = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 OUR_DIRS = tuple(os.path.join(_REPO, name) + os.sep
@@ -77,9 +79,12 @@ def start(verbosity: int) -> None:
   """Before TensorFlow's import: its native log level, and the import with
   its native start-up notices filtered, at `verbosity`."""
   os.environ["TF_CPP_MIN_LOG_LEVEL"] = native_log_level(verbosity)
-  if "tensorflow" not in sys.modules and verbosity < 2:
-    with native_stderr_filtered(verbosity):
-      importlib.import_module("tensorflow")
+  if "tensorflow" in sys.modules:
+    return
+  with contextlib.ExitStack() as stack:
+    if verbosity < 2:
+      stack.enter_context(native_stderr_filtered(verbosity))
+    tf_import.import_tensorflow()
 
 
 def keep_native_line(line: str, verbosity: int) -> bool:

@@ -33,14 +33,15 @@ class Evaluator:
     self._dataset = eval_dataset(dataset.eval_x, dataset.eval_y, batch_size)
     self._predictions = len(dataset.eval_y) * task.predictions_per_example(
         self._dataset.element_spec[1])
-    self._run = tf.function(self._run_fn)
+    self._run = tf.function(self._run_fn, autograph=False)
 
   def _run_fn(self):
-    totals = {k: tf.constant(0.0) for k in self._task.metric_names}
-    for x, y in self._dataset:
+    def add(totals, batch):
+      x, y = batch
       sums = self._task.sums(self._model(x, training=False), y)
-      totals = {k: totals[k] + sums[k] for k in totals}
-    return totals
+      return {k: totals[k] + sums[k] for k in totals}
+    return self._dataset.reduce(
+        {k: tf.constant(0.0) for k in self._task.metric_names}, add)
 
   def evaluate(self) -> Dict[str, float]:
     """`eval/<metric>` for each of the task's metrics."""

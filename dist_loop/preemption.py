@@ -140,7 +140,7 @@ class Agreement:
 
   def __init__(self, strategy: tf.distribute.Strategy):
     self.strategy = strategy
-    self._count = tf.function(self._count_fn)
+    self._count = tf.function(self._count_fn, autograph=False)
 
   @classmethod
   def for_run(cls, trainer, cluster) -> Optional["Agreement"]:

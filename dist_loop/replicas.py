@@ -67,8 +67,8 @@ class ReplicaState(tf.train.experimental.PythonState):
     if collective is None:
       collective = not isinstance(strategy, tf.distribute.MirroredStrategy)
     self._collective = collective
-    self._gather = tf.function(self._gather_fn)
-    self._scatter = tf.function(self._scatter_fn)
+    self._gather = tf.function(self._gather_fn, autograph=False)
+    self._scatter = tf.function(self._scatter_fn, autograph=False)
 
   @property
   def pending(self) -> bool:

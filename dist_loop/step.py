@@ -108,11 +108,16 @@ def accumulated_gradients(task: Task, model, x, y, *, chunks: int,
     return gradients(task, model, x, y, **kwargs)
   xs = tf.reshape(x, tf.concat([[chunks, -1], tf.shape(x)[1:]], 0))
   ys = tf.reshape(y, tf.concat([[chunks, -1], tf.shape(y)[1:]], 0))
-  out, grads = gradients(task, model, xs[0], ys[0], **kwargs)
-  for i in tf.range(1, chunks - 1):
+
+  def add(i, out, grads):
     o, g = gradients(task, model, xs[i], ys[i], **kwargs)
-    out = {k: out[k] + o[k] for k in out}
-    grads = [a + b for a, b in zip(grads, g)]
+    return (i + 1, {k: out[k] + o[k] for k in out},
+            [a + b for a, b in zip(grads, g)])
+
+  out, grads = gradients(task, model, xs[0], ys[0], **kwargs)
+  if chunks > 2:  # Micro-batches 1 .. chunks - 2, in a loop.
+    _, out, grads = tf.while_loop(lambda i, *_: i < chunks - 1, add,
+                                  (tf.constant(1), out, grads))
   o, g = gradients(task, model, xs[chunks - 1], ys[chunks - 1], **kwargs)
   return ({k: out[k] + o[k] for k in out},
           [a + b for a, b in zip(grads, g)])

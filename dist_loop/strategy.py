@@ -63,7 +63,8 @@ def on_first_replica(strategy, cache, fn, *args):
   differentiated), the first replica's result returned. `cache` maps each
   `fn` to its `tf.function`, so a repeated call does not retrace."""
   if fn not in cache:
-    cache[fn] = tf.function(lambda *a: strategy.run(fn, args=a))
+    cache[fn] = tf.function(lambda *a: strategy.run(fn, args=a),
+                           autograph=False)
   out = cache[fn](*args)
   return tf.nest.map_structure(
       lambda v: strategy.experimental_local_results(v)[0], out)

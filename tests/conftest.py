@@ -53,6 +53,8 @@ def pytest_configure(config):
   if getattr(config.option, "numprocesses", None) and not hasattr(
       config, "workerinput"):
     return
+  from dist_loop import tf_import  # pylint: disable=g-import-not-at-top
+  tf_import.import_tensorflow()
   from dist_loop import devices  # pylint: disable=g-import-not-at-top
   devices.configure(NUM_TEST_DEVICES, "cpu")
   # Tracing makes objects by the million, and each of the collector's full

@@ -36,7 +36,7 @@ def _collectives(trainer):
   x, y = (tf.constant(trainer.dataset.train_x[:32]),
           tf.constant(trainer.dataset.train_y[:32]))
 
-  @tf.function
+  @tf.function(autograph=False)
   def step(x, y):
     return trainer.strategy.run(
         lambda x, y: trainer.replica_step((x, y), None).shares, args=(x, y))

@@ -122,7 +122,7 @@ def _reduce_twice(compressor, grads, residuals):
     second = compressor.reduce(mine, first[1], tf.constant(1, tf.int64))
     return first, second
 
-  results = tf.function(lambda: strategy.run(replica))()
+  results = tf.function(lambda: strategy.run(replica), autograph=False)()
   per_replica = [tf.nest.map_structure(
       lambda v, r=r: np.asarray(strategy.experimental_local_results(v)[r]),
       results) for r in range(2)]

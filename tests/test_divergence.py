@@ -51,7 +51,8 @@ def test_ps_records_a_loss_above_max_loss_as_nonfinite():
       max_staleness=staleness.NO_BOUND, max_loss=100.0)
   offer = tf.function(lambda loss: locked(
       [tf.ones(2)], step.read_value(), tf.constant(10, tf.int64),
-      {"loss": loss, "grad_norm": tf.constant(1.0)}, tf.constant(1.0)))
+      {"loss": loss, "grad_norm": tf.constant(1.0)}, tf.constant(1.0)),
+                      autograph=False)
   assert offer(tf.constant(5.0))["applied"]
   out = offer(tf.constant(500.0))
   assert out["nonfinite"] and not (out["applied"] or out["skipped"])

@@ -239,7 +239,7 @@ def test_synchronise_averages_weights_and_batch_norm_statistics():
     replicas.write(mine.weights, [tf.fill(v.shape, tf.cast(r + 1, v.dtype))
                                   for v in mine.weights])
 
-  @tf.function
+  @tf.function(autograph=False)
   def run():
     strategy.run(diverge)
     strategy.run(outer.synchronise, args=(synced, mine, optimizer))

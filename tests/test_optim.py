@@ -21,7 +21,7 @@ def _build(name, strategy):
 def _apply(strategy, optimizer, var, ok, lr_scale=None):
   """Every replica calls apply_reduced with the same (reduced) gradient."""
 
-  @tf.function
+  @tf.function(autograph=False)
   def step():
     strategy.run(lambda: optim.apply_reduced(
         optimizer, [tf.constant(GRAD)], [var], tf.constant(ok), lr_scale))

@@ -155,14 +155,14 @@ def _split_against_whole(layers, x, grads_out, reg_in=None, first=False,
   chunk = Chunk(layers, first=first, recompute=False, head=head)
   args = (x,) if reg_in is None else (x, reg_in)
 
-  @tf.function
+  @tf.function(autograph=False)
   def whole(x, reg_in=None):
     with tf.name_scope("F"):
       record = chunk.forward(x, reg_in)
     with tf.name_scope("B"):
       return chunk.backward(record, grads_out)
 
-  @tf.function
+  @tf.function(autograph=False)
   def split(x, reg_in=None):
     with tf.name_scope("F"):
       record = chunk.forward(x, reg_in)
@@ -232,7 +232,8 @@ def _op_types(trainer, variant, batch):
   """Every op type of one traced step of `variant`, its nested functions
   included; a call of the timestamp function counts as "stamp"."""
   step = tf.function(
-      lambda x, y: vars(trainer.replica_step((x, y), variant)))
+      lambda x, y: vars(trainer.replica_step((x, y), variant)),
+      autograph=False)
   graph_def = step.get_concrete_function(*batch).graph.as_graph_def()
   nodes = list(graph_def.node)
   for function in graph_def.library.function:

@@ -109,7 +109,7 @@ def test_loss_scale_grows_after_good_steps():
   with strategy.scope():
     ls = DynamicLossScale(initial_scale=8.0, growth_interval=2)
 
-  @tf.function
+  @tf.function(autograph=False)
   def step(ok):
     strategy.run(ls.update, args=(ok,))
 

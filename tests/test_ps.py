@@ -47,7 +47,8 @@ def _local_update(variable, step, loss_scale=None, max_staleness=0):
       layout=LAYOUT, max_staleness=max_staleness, loss_scale=loss_scale)
   fn = tf.function(lambda g, read, target, loss, scale: locked(
       [g], read, target, {"loss": loss, "accuracy": tf.constant(0.5),
-                          "grad_norm": tf.linalg.global_norm([g])}, scale))
+                          "grad_norm": tf.linalg.global_norm([g])}, scale),
+                   autograph=False)
 
   def call(grad, read, target=100, loss=1.0, scale=1.0):
     out = fn(tf.constant(grad, tf.float32), tf.constant(read, tf.int64),
@@ -194,7 +195,7 @@ def test_fetch_add_gives_every_caller_its_own_value():
   variable = tf.Variable(0, dtype=tf.int64)
   # Eight increments without dependencies between them, free to run at once.
   values = tf.function(lambda: [counter.fetch_add(variable)
-                                for _ in range(8)])()
+                                for _ in range(8)], autograph=False)()
   assert sorted(int(v) for v in values) == list(range(8))
   assert int(variable.numpy()) == 8
 

@@ -35,7 +35,7 @@ def _write_replica_ids(strategy, variables, base=1.0):
   """Writes base + replica id into every element of each replica's
   component, from replica context."""
 
-  @tf.function
+  @tf.function(autograph=False)
   def run():
     def fn():
       rid = tf.distribute.get_replica_context().replica_id_in_sync_group

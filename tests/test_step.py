@@ -70,7 +70,7 @@ def test_accumulated_gradients_equal_the_full_batch_gradient(setup):
   whole, expected = step_lib.gradients(task, model, x, y,
                                        examples_per_update=BATCH)
 
-  @tf.function  # As in a mode's step: the micro-batch loop is a tf loop.
+  @tf.function(autograph=False)  # As in a mode's step: the micro-batch loop is a tf loop.
   def accumulated():
     return step_lib.accumulated_gradients(
         task, model, x, y, chunks=4, examples_per_update=BATCH,

@@ -16,7 +16,7 @@ def _all_reduce(strategy, value):
   """The sum over replicas of `value + replica id`, traced, as replica 0
   sees it."""
 
-  @tf.function
+  @tf.function(autograph=False)
   def run():
     def fn():
       ctx = tf.distribute.get_replica_context()
@@ -57,7 +57,7 @@ def test_cross_replica_call_from_replica_and_cross_replica_context():
 
   # From replica context, inside `strategy.run`: through merge_call, so
   # `fn` runs once for both replicas and sees their values together.
-  @tf.function
+  @tf.function(autograph=False)
   def in_replicas():
     def replica_fn():
       ctx = tf.distribute.get_replica_context()

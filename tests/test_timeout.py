@@ -42,17 +42,22 @@ DEVICES_STUB = '''
 def configure(*args, **kwargs):
   del args, kwargs
 '''
+TF_IMPORT_STUB = '''
+def import_tensorflow():
+  pass
+'''
 
 
 def _pytest(directory, source, *args):
   """pytest with the project's settings (timeout method, required plugin)
   and a 1 s bound, on one generated test file; dist_loop is a stub of
-  `devices.configure`."""
+  `devices.configure` and `tf_import.import_tensorflow`."""
   (directory / "test_hangs.py").write_text(source)
   stub = directory / "stub" / "dist_loop"
   stub.mkdir(parents=True)
   (stub / "__init__.py").write_text("")
   (stub / "devices.py").write_text(DEVICES_STUB)
+  (stub / "tf_import.py").write_text(TF_IMPORT_STUB)
   result = subprocess.run(
       [sys.executable, "-m", "pytest", "-c",
        os.path.join(REPO, "pyproject.toml"), "--rootdir", str(directory),

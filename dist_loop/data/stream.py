@@ -25,12 +25,16 @@ import numpy as np
 import tensorflow as tf
 
 _EPOCHS_FOREVER = np.iinfo(np.int64).max
+# tf.data traces its functions with AutoGraph unless told not to; the
+# library's traced code is written without it (`modes/loop.py`).
+_no_autograph = tf.autograph.experimental.do_not_convert
 
 
 def _index_stream(num_examples: int, seed: int, start: int) -> tf.data.Dataset:
   """Example indices, epoch after epoch, from stream position `start`."""
   first_epoch, offset = divmod(start, num_examples)
 
+  @_no_autograph
   def epoch(e):
     keys = tf.random.stateless_uniform(
         [num_examples], seed=tf.stack([tf.constant(seed, tf.int64), e]))
@@ -79,8 +83,10 @@ def train_dataset_fn(x: np.ndarray, y: np.ndarray, global_batch_size: int,
     if ctx.num_input_pipelines > 1:
       first = ctx.input_pipeline_id * local
       ds = (ds.batch(replicas, drop_remainder=True)
-            .map(lambda group: group[first:first + local]).unbatch())
-    ds = ds.map(lambda idx: (tf.gather(x_t, idx), tf.gather(y_t, idx)),
+            .map(_no_autograph(lambda group: group[first:first + local]))
+            .unbatch())
+    ds = ds.map(_no_autograph(lambda idx: (tf.gather(x_t, idx),
+                                           tf.gather(y_t, idx))),
                 num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
     return _fixed(ds.prefetch(tf.data.AUTOTUNE))
 

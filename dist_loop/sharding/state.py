@@ -63,9 +63,9 @@ class ShardedState:
     self.slot_owner = [_owner(v) for v in self.slots]
     self._pending: Optional[List[np.ndarray]] = None
     self._cache: Dict[str, object] = {}
-    self._load = tf.function(self._load_fn)
-    self._write_slots = tf.function(self._write_slots_fn)
-    self._gather_slots = tf.function(self._gather_slots_fn)
+    self._load = tf.function(self._load_fn, autograph=False)
+    self._write_slots = tf.function(self._write_slots_fn, autograph=False)
+    self._gather_slots = tf.function(self._gather_slots_fn, autograph=False)
     self.checkpoint = OptimizerView(self)
 
   # -- the shards of the weights --

@@ -91,7 +91,7 @@ class Sharding:
     self.bucket_elements = int(bucket_mb * 2**20) // 4
     self.forward = list(range(len(self.state.shards)))
     self._loaded = False
-    self._refresh = tf.function(self._refresh_fn)
+    self._refresh = tf.function(self._refresh_fn, autograph=False)
 
   @property
   def optimizer(self):

@@ -66,7 +66,7 @@ class SingleDeviceTrainer(LoopTrainer):
                               name="step")
     # XLA compiles the update only: the loop around it reads the iterator,
     # which XLA cannot.
-    self._update = tf.function(self._update_fn,
+    self._update = tf.function(self._update_fn, autograph=False,
                                jit_compile=self.options.jit_compile)
 
   def _update_fn(self, x, y):

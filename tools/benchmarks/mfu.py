@@ -105,11 +105,11 @@ def run(quick: bool = False) -> dict:
   a = tf.random.normal([side, side])
   b = tf.random.normal([side, side]) / np.sqrt(side)
 
-  @tf.function
+  @tf.function(autograph=False)
   def matmuls():
-    x = a
-    for _ in tf.range(chain):
-      x = tf.matmul(x, b)  # Each depends on the last: nothing is skipped.
+    # Each depends on the last: nothing is skipped.
+    _, x = tf.while_loop(lambda i, x: i < chain,
+                         lambda i, x: (i + 1, tf.matmul(x, b)), (0, a))
     return tf.reduce_sum(x)
 
   matmuls()

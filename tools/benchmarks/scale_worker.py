@@ -109,7 +109,7 @@ class Worker:
     # Ten equal tensors, as a model's gradients are several.
     parts = [floats // 10] * 9 + [floats - 9 * (floats // 10)]
 
-    @tf.function
+    @tf.function(autograph=False)
     def reduce_once():
       def replica():
         ctx = tf.distribute.get_replica_context()

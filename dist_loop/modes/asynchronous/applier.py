@@ -90,9 +90,9 @@ class Applier:
     self.staleness = staleness.Histogram()  # Of the applied updates.
     self.dropped = 0
     self.skipped = 0  # Loss-scale overflows.
-    self._read_fn = tf.function(self._read)
-    self._apply_fn = tf.function(self._apply)
-    self._update_scale_fn = (tf.function(loss_scale.update)
+    self._read_fn = tf.function(self._read, autograph=False)
+    self._apply_fn = tf.function(self._apply, autograph=False)
+    self._update_scale_fn = (tf.function(loss_scale.update, autograph=False)
                              if loss_scale is not None else None)
 
   def sync_version(self) -> None:

@@ -74,7 +74,7 @@ class Worker:
     self._dataset = dataset
     self._seed = seed
     self._iterator = None
-    self._step_fn = tf.function(self._step)
+    self._step_fn = tf.function(self._step, autograph=False)
 
   @property
   def name(self) -> str:

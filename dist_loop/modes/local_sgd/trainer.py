@@ -148,8 +148,8 @@ class LocalSGDTrainer(Mirrored, LoopTrainer, Reporting):
                       {REPLICA_GRAD_NORM: tf.linalg.global_norm(grads)})
 
   def after_step(self):
-    if self.step % self.options.sync_every == 0:
-      self.strategy.run(self._synchronise)
+    tf.cond(self.step % self.options.sync_every == 0,
+            lambda: self.strategy.run(self._synchronise), lambda: None)
 
   def _synchronise(self):
     norm = outer.synchronise(self.model, self.replica_model,

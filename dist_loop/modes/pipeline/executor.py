@@ -120,9 +120,6 @@ class PipelineExecutor:
 
   # -- one step --
 
-  # Plain Python unrolled into ops: nothing for AutoGraph to convert, and
-  # converting it (and all it calls) would only slow the trace.
-  @tf.autograph.experimental.do_not_convert
   def step(self, x: tf.Tensor, y: tf.Tensor,
            loss_scale: Optional[tf.Tensor] = None,
            timed: bool = False) -> Dict[str, object]:
@@ -280,7 +277,7 @@ def bubble(starts: tf.Tensor, ends: tf.Tensor) -> tf.Tensor:
   return tf.reduce_mean(per_replica)
 
 
-@tf.function
+@tf.function(autograph=False)
 def _stamp_into(clock: tf.Variable) -> tf.Tensor:
   """Writes the current time (seconds) into `clock` and returns it."""
   clock.assign(tf.timestamp())

@@ -65,7 +65,7 @@ class ChunkTimer:
         chunks, Schedule.of([self.row], [0] * n), [[d] for d in devices], m,
         task, m * len(devices) * len(x), recompute)
     self.step = tf.function(
-        lambda x, y: self.executor.step(x, y, timed=True))
+        lambda x, y: self.executor.step(x, y, timed=True), autograph=False)
     self.inputs = (tf.concat([x] * (m * len(devices)), 0),
                    tf.concat([y] * (m * len(devices)), 0))
 

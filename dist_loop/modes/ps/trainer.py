@@ -142,7 +142,7 @@ class PSTrainer(Trainer, Reporting):
         step=self.step, stats=self._stats, layout=self.layout,
         max_staleness=self.options.max_staleness, loss_scale=self.loss_scale,
         max_loss=config.max_loss)
-    self._loop = tf.function(self._loop_fn)
+    self._loop = tf.function(self._loop_fn, autograph=False)
     self._iterator = None
     self._start_step = 0  # Where the workers' input starts (set at resume).
     self._applied_start = None  # `step` when this process first trained.
@@ -194,15 +194,21 @@ class PSTrainer(Trainer, Reporting):
     """Up to K steps on this worker. Returns nothing: the outcome is in
     `step` and the stats vector, on the PSs."""
     target = self._target.read_value()
-    for _ in tf.range(self.options.ps_steps_per_call):
-      if self.step.read_value() >= target:
-        break
+
+    def more(i):  # Read before each step: other workers move it too.
+      return tf.logical_and(i < self.options.ps_steps_per_call,
+                            self.step.read_value() < target)
+
+    def step(i):
       x, y = next(iterator)
       out = self.strategy.run(self._worker_step, args=(x, y))
       out = tf.nest.map_structure(
           lambda v: self.strategy.experimental_local_results(v)[0], out)
       self._update(out["grads"], out["read_version"], target, out["metrics"],
                    out["computed_at"])
+      return i + 1
+
+    tf.while_loop(more, step, [tf.constant(0)])
 
   # -- on the chief --
 
