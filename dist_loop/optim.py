@@ -8,9 +8,16 @@ from replica context, `merge_call` into cross-replica context, then
 `strategy.extended.update(var, fn)` runs the optimizer's `update_step` on each
 device's copy of each variable, and the iteration counter moves once.
 Outside any strategy (the default strategy) the same code applies directly.
+
+A step whose gradients are not finite is not applied (`ok`). Where `ok` is
+the same on every replica, one `tf.cond` holds the whole update. A cond per
+variable and device copy, as Keras writes it, is cheap to run but slow to
+trace: the sharding and Transformer tests took 88 s of CPU with it and 77 s
+with one (one run each). Local SGD's replicas each decide for themselves
+(`per_replica_ok`).
 """
 
-from typing import Sequence
+from typing import List, Sequence
 
 import keras
 import tensorflow as tf
@@ -80,7 +87,8 @@ def all_finite(grads: Sequence[tf.Tensor]) -> tf.Tensor:
 
 def apply_reduced(optimizer: keras.optimizers.Optimizer,
                   grads: Sequence[tf.Tensor], variables: Sequence,
-                  ok: tf.Tensor, lr_scale=None) -> tf.Tensor:
+                  ok: tf.Tensor, lr_scale=None,
+                  per_replica_ok: bool = False) -> tf.Tensor:
   """Applies gradients that were already all-reduced, once, if `ok`.
 
   Call in replica context (inside `strategy.run`), outside any strategy, or
@@ -95,6 +103,8 @@ def apply_reduced(optimizer: keras.optimizers.Optimizer,
       slots and iteration counter included.
     lr_scale: optional float32 scalar; this update uses the learning rate
       times it (the async mode's staleness policies). None: the plain rate.
+    per_replica_ok: each replica has its own `ok` and applies its own
+      update, or not (local SGD's replicas, whose copies differ).
 
   Returns:
     `ok`, available only once every update has run, so callers can order
@@ -103,42 +113,62 @@ def apply_reduced(optimizer: keras.optimizers.Optimizer,
   kwargs = {} if lr_scale is None else {"lr_scale": lr_scale}
   done = strategy_lib.cross_replica_call(
       _update, optimizer, list(grads), [_tf_variable(v) for v in variables],
-      ok, **kwargs)
+      ok, per_replica_ok=per_replica_ok, **kwargs)
   with tf.control_dependencies(done):
     return tf.identity(ok)
 
 
-def _update(strategy, optimizer, grads, variables, ok, lr_scale=None):
+def _update(strategy, optimizer, grads, variables, ok, lr_scale=None,
+            per_replica_ok=False):
   """Cross-replica half of `apply_reduced`: one update per device copy.
   Decoupled weight decay (AdamW) comes first, as in Keras's `apply`."""
   wd = getattr(optimizer, "weight_decay", None)
 
-  def update_for(decay: bool):
-    def update_var(var, grad, apply):
-      def do():
-        lr = tf.cast(optimizer.learning_rate, var.dtype)
-        if decay:
-          var.assign_sub(var * tf.cast(wd, var.dtype) * lr)
-        if lr_scale is not None:
-          lr *= tf.cast(lr_scale, var.dtype)
-        optimizer.update_step(grad, var, lr)
-        return tf.constant(True)
+  def update_for(var):
+    decay = wd is not None and optimizer._use_weight_decay(var)  # pylint: disable=protected-access
 
-      return tf.cond(apply, do, lambda: tf.constant(False))
-    return update_var
+    def update(copy, grad):
+      lr = tf.cast(optimizer.learning_rate, copy.dtype)
+      if decay:
+        copy.assign_sub(copy * tf.cast(wd, copy.dtype) * lr)
+      if lr_scale is not None:
+        lr *= tf.cast(lr_scale, copy.dtype)
+      optimizer.update_step(grad, copy, lr)
+      return tf.constant(True)
 
-  done = [strategy.extended.update(
-      var, update_for(wd is not None
-                      and optimizer._use_weight_decay(var)),  # pylint: disable=protected-access
-      args=(grad, ok), group=False)
-          for grad, var in zip(grads, variables)]
-  done.append(strategy.extended.update(
+    def update_if(copy, grad, apply):
+      return tf.cond(apply, lambda: update(copy, grad),
+                     lambda: tf.constant(False))
+
+    return update_if if per_replica_ok else update
+
+  def update_all():
+    extra = (ok,) if per_replica_ok else ()
+    return _local_results(strategy, [
+        strategy.extended.update(var, update_for(var), args=(grad, *extra),
+                                 group=False)
+        for grad, var in zip(grads, variables)])
+
+  def applied():
+    with tf.control_dependencies(update_all()):
+      return tf.constant(True)
+
+  if per_replica_ok:
+    done = update_all()
+  else:  # One decision for every variable and copy: the first replica's.
+    first_ok = strategy.experimental_local_results(ok)[0]
+    done = [tf.cond(first_ok, applied, lambda: tf.constant(False))]
+  done += _local_results(strategy, [strategy.extended.update(
       _tf_variable(optimizer.iterations),
       lambda it, apply: it.assign_add(tf.cast(apply, it.dtype)).read_value(),
-      args=(ok,), group=False))
-  # As plain tensors: strategies wrap each result (a 1-tuple, or a mirrored
-  # value), and a control dependency on a wrapper silently adds no edge.
-  return [t for result in tf.nest.flatten(done)
+      args=(ok,), group=False)])
+  return done
+
+
+def _local_results(strategy, results) -> List[tf.Tensor]:
+  """Plain tensors: strategies wrap each result (a 1-tuple, or a mirrored
+  value), and a control dependency on a wrapper silently adds no edge."""
+  return [t for result in tf.nest.flatten(results)
           for t in strategy.experimental_local_results(result)]
 
 

@@ -64,6 +64,27 @@ def test_not_ok_skips_variables_slots_and_iterations(mirrored):
   assert np.all(var.numpy() < 1.0)
 
 
+def test_with_per_replica_ok_each_replica_decides_for_itself(mirrored):
+  """Local SGD's replicas apply their own updates, or not: replica 0's
+  goes through, replica 1's is skipped, counter included."""
+  var, sgd = _build("sgd", mirrored)
+
+  @tf.function(autograph=False)
+  def step():
+    def replica():
+      first = tf.equal(
+          tf.distribute.get_replica_context().replica_id_in_sync_group, 0)
+      optim.apply_reduced(sgd, [tf.constant(GRAD)], [var], first,
+                          per_replica_ok=True)
+    mirrored.run(replica)
+
+  step()
+  applied, skipped = _copies(mirrored, var)
+  np.testing.assert_allclose(applied, 1.0 - 0.1 * GRAD, rtol=1e-6)
+  np.testing.assert_array_equal(skipped, np.ones(3))
+  assert _copies(mirrored, sgd.iterations) == [1, 0]
+
+
 def test_apply_reduced_outside_any_strategy():
   var, sgd = _build("momentum", tf.distribute.get_strategy())
   ok = optim.apply_reduced(sgd, [tf.constant(GRAD)], [var], tf.constant(True))

@@ -18,7 +18,7 @@ the inner optimizer built over it has per-replica slots the same way. The
 inner step is the step core's gradient of the replica's own batch mean
 (one contributor, `examples_per_update` = the replica's batch), applied with
 `optim.apply_reduced`, which reduces nothing: each component takes its own
-replica's update. This keeps one strategy, one sharded input pipeline and
+replica's update, applied or skipped by that replica (`per_replica_ok`). This keeps one strategy, one sharded input pipeline and
 the step core, and spans processes unchanged. The alternatives lose that:
 ON_READ variables checkpoint and read back as one aggregate, and a model per
 device outside the strategy cannot span processes.
@@ -141,7 +141,8 @@ class LocalSGDTrainer(Mirrored, LoopTrainer, Reporting):
     ok = tf.logical_and(optim.all_finite(grads),
                         tf.math.is_finite(shares["loss"]))
     optim.apply_reduced(self.optimizer, grads,
-                        self.replica_model.trainable_variables, ok)
+                        self.replica_model.trainable_variables, ok,
+                        per_replica_ok=True)
     # The replica's batch is 1/R of the step's: its share of the step's mean.
     shares = {k: v / self.replica_count for k, v in shares.items()}
     return StepResult(shares, ok,
