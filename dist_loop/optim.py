@@ -156,8 +156,8 @@ def _update(strategy, optimizer, grads, variables, ok, lr_scale=None,
   if per_replica_ok:
     done = update_all()
   else:  # One decision for every variable and copy: the first replica's.
-    first_ok = strategy.experimental_local_results(ok)[0]
-    done = [tf.cond(first_ok, applied, lambda: tf.constant(False))]
+    ok = strategy.experimental_local_results(ok)[0]
+    done = [tf.cond(ok, applied, lambda: tf.constant(False))]
   done += _local_results(strategy, [strategy.extended.update(
       _tf_variable(optimizer.iterations),
       lambda it, apply: it.assign_add(tf.cast(apply, it.dtype)).read_value(),

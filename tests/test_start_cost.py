@@ -6,7 +6,9 @@ cluster, each restart) and are gone; these tests fail if they return:
   tools, these tests) is traced with `autograph=False` (why:
   `modes/loop.py`, "No AutoGraph"; a test's `tf.function` around library
   code would convert that code too). Read from the source with `ast`, so a
-  new `tf.function` is caught before it runs.
+  new `tf.function` is caught before it runs; and a whole run checks what
+  the source does not show: tf.data's functions, and those TensorFlow
+  wraps in a `tf.function` of its own.
 - matplotlib at TensorFlow's import (`dist_loop/tf_import.py`): conftest
   imports TensorFlow the way the entry points do.
 """
@@ -17,9 +19,10 @@ import os
 import sys
 
 import pytest
+from tensorflow.python.autograph.impl import api as autograph_api
 
 from conftest import REPO
-from dist_loop import tf_import
+from dist_loop import tf_import, train
 
 TRACED_DIRS = ("dist_loop", "experiments", "tools", "tests")
 
@@ -78,6 +81,24 @@ def test_the_check_sees_each_way_of_leaving_autograph_on(tmp_path):
       "@tf.function(autograph=False)\n"
       "def f(): pass\n")
   assert [line for line, _ in _autograph_on(path)] == [2, 4, 5, 6]
+
+
+def test_a_run_converts_none_of_the_repository_with_autograph(small_config):
+  """AutoGraph keeps every function it converted, by code object, for the
+  life of the process (its transpiler's cache: TensorFlow internals, read
+  only here). After a run with replicas, accumulation, evaluation and a
+  checkpoint (and whatever this process ran before it), none of the
+  repository's code may be among them."""
+  summary = train.run(small_config(num_devices=2, grad_accum_steps=3,
+                                   global_batch_size=24, train_steps=2,
+                                   steps_per_loop=2, eval_every=2,
+                                   checkpoint_every=2))
+  assert summary["final_step"] == 2
+  converted = list(autograph_api._TRANSPILER._cache._cache)  # pylint: disable=protected-access
+  ours = sorted({f"{os.path.relpath(c.co_filename, REPO)}:{c.co_name}"
+                 for c in converted if hasattr(c, "co_filename")
+                 and os.path.realpath(c.co_filename).startswith(REPO)})
+  assert not ours, ours
 
 
 def test_tensorflow_loads_without_matplotlib_which_still_imports_after():

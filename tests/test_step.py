@@ -28,7 +28,7 @@ def l2_mlp(input_shape, num_classes):
           keras.layers.Dense(num_classes, kernel_regularizer=l2)]
 
 
-BATCH, FEATURES, CLASSES = 8, 5, 3
+BATCH, FEATURES, CLASSES = 12, 5, 3
 
 
 @pytest.fixture(name="setup")
@@ -58,23 +58,27 @@ def test_shares_over_contributors_sum_to_the_single_device_loss(setup):
 
   parts = [step_lib.shares(task, logits[i:i + 2], y[i:i + 2],
                            examples_per_update=BATCH,
-                           regularization=model.losses, contributors=4)
+                           regularization=model.losses,
+                           contributors=BATCH // 2)
            for i in range(0, BATCH, 2)]
   for name in task.metric_names:
     np.testing.assert_allclose(sum(p[name] for p in parts), whole[name],
                                rtol=1e-6)
 
 
-def test_accumulated_gradients_equal_the_full_batch_gradient(setup):
+@pytest.mark.parametrize("chunks", [2, 3, 4])
+def test_accumulated_gradients_equal_the_full_batch_gradient(setup, chunks):
+  """First and last micro-batch outside the loop, the others (none, one,
+  two) inside it."""
   task, model, x, y = setup
   whole, expected = step_lib.gradients(task, model, x, y,
                                        examples_per_update=BATCH)
 
-  @tf.function(autograph=False)  # As in a mode's step: the micro-batch loop is a tf loop.
+  @tf.function(autograph=False)  # Traced, as in a mode's step.
   def accumulated():
     return step_lib.accumulated_gradients(
-        task, model, x, y, chunks=4, examples_per_update=BATCH,
-        contributors=4, scale=tf.constant(8.0))
+        task, model, x, y, chunks=chunks, examples_per_update=BATCH,
+        contributors=chunks, scale=tf.constant(8.0))
 
   out, grads = accumulated()
   for name in task.metric_names:

@@ -246,13 +246,11 @@ class LoopTrainer(Trainer):
       sums, applied, loss, new_carry = self.run_replicas(replica, batch, sums)
       self.step.assign_add(1)
       self.after_step()
-      new_carry = self._first(new_carry)
       ends = self._ends_loop(self._first(applied), loss, skip_all, may_skip)
-      if ends is not False:  # A bad step ends the loop, its carry unkept.
+      if ends is not False:  # `train` raises; the carry goes unused.
         bad_step = tf.where(ends, self.step.read_value(), bad_step)
-        new_carry = tf.nest.map_structure(
-            lambda old, new: tf.where(ends, old, new), carry, new_carry)
-      return i + 1, sums, new_carry, bad_step
+      del carry  # Replaced by the last step's.
+      return i + 1, sums, self._first(new_carry), bad_step
 
     def more(i, sums, carry, bad_step):
       del sums, carry

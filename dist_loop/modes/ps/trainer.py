@@ -219,7 +219,8 @@ class PSTrainer(Trainer, Reporting):
     if self._iterator is None:  # Built lazily: resumes at the restored step.
       self._start_step = start
       self._iterator = iter(
-          self.coordinator.create_per_worker_dataset(self._dataset_fn))
+          self.coordinator.create_per_worker_dataset(
+              tf.autograph.experimental.do_not_convert(self._dataset_fn)))
     target = start + num_steps
     self._target.assign(target)
     self._stats.assign(tf.zeros_like(self._stats))
