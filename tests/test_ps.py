@@ -311,8 +311,6 @@ def _wait_for(path, text, processes, timeout=90):
     time.sleep(0.2)
 
 
-
-
 def _launcher(workdir, command, num_workers, num_ps):
   return launch.Launcher(command, num_workers=num_workers, num_ps=num_ps,
                          log_dir=str(workdir / "logs"), timeout_s=150,
