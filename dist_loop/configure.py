@@ -110,6 +110,7 @@ def validate(config: Config, cluster: cluster_lib.Cluster) -> Config:
                       f"options of type {cls.__name__}, got "
                       f"{type(value).__name__}")
   config.validate()
+  check_fit(config.model, config.dataset)
   if cluster.num_tasks > 1 and not trainer_class.multi_process:
     raise UserError(f"--mode={config.mode} runs in one process, but "
                     "TF_CONFIG describes a cluster; unset TF_CONFIG, or use "
@@ -117,6 +118,44 @@ def validate(config: Config, cluster: cluster_lib.Cluster) -> Config:
   trainer_class.check_capabilities(config)
   trainer_class.validate(config, cluster)
   return config
+
+
+def fits(model: str, dataset: str) -> bool:
+  """Whether the registered model takes what the registered dataset gives,
+  by their declarations (`models.takes`, `data.gives`)."""
+  return _misfit(model, dataset) is None
+
+
+def _misfit(model: str, dataset: str):
+  """What of the model's declaration the dataset does not give, or None."""
+  want = models.takes(model)
+  got = data.gives(dataset, models.image_size_for(model))
+  if want.task != got.task:
+    return f"the {want.task} task, but --dataset={dataset} poses {got.task}"
+  if want.dtype != got.dtype:
+    return f"{want.dtype} inputs, but --dataset={dataset} gives {got.dtype}"
+  if None not in (want.rank, got.rank) and want.rank != got.rank:
+    return (f"examples of rank {want.rank}, but --dataset={dataset} gives "
+            f"rank {got.rank}")
+  return None
+
+
+def check_fit(model: str, dataset: str) -> None:
+  """Refuses a model and a dataset that do not fit, naming what does.
+
+  Raises:
+    UserError: one line: what the model takes, what the dataset gives, and
+      the registered models that take the dataset.
+  """
+  misfit = _misfit(model, dataset)
+  if misfit is None:
+    return
+  fixes = [f"--model={m} with this dataset" for m in models.MODELS.names()
+           if fits(m, dataset)]
+  fixes += [f"--dataset={d} with this model" for d in data.DATASETS.names()
+            if fits(model, d)]
+  raise UserError(f"--model={model} takes {misfit}; use "
+                  f"{' or '.join(fixes) or 'another pair'}")
 
 
 def flat_defaults() -> Dict[str, Any]:
