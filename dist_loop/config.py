@@ -32,8 +32,10 @@ MAX_SEED = 2**32 - 1
 # Any count of steps: far beyond a real run, within the 32-bit integers that
 # TensorFlow ops may count with, and an ETA that fits a datetime.timedelta.
 MAX_STEPS = 2**31 - 1
-# Examples in one batch: TensorFlow's int32 shapes overflow at 2**31, and a
-# batch far smaller no longer fits in memory.
+# Examples in one batch, and in one step (--global_batch_size x
+# --grad_accum_steps: a step's input holds every micro-batch): TensorFlow's
+# int32 shapes overflow at 2**31, and a batch far smaller no longer fits in
+# memory.
 MAX_BATCH = 2**20
 # More threads than cores only add switching, and 1024 is above the core
 # count of any single machine; each thread reserves a stack, so 100000
@@ -111,7 +113,7 @@ class Config:
       group=_PRECISION)
   grad_accum_steps: int = option(
       1, "Micro-steps of --global_batch_size examples each, summed before "
-      "one all-reduce and one update (sync mode).", lower=1, upper=MAX_STEPS,
+      "one all-reduce and one update (sync mode).", lower=1, upper=MAX_BATCH,
       group=_PRECISION, layout=True)
   nonfinite: str = option(
       "raise", "On a NaN/Inf loss or gradient: raise (stop, naming the "
@@ -132,8 +134,9 @@ class Config:
       upper=MAX_STEPS, group=_RELIABILITY)
   diverged_loss_ratio: float = option(
       10.0, "Report the run as diverged (a warning, summary.json, exit code "
-      "3) if its last logged loss is this many times its first, or its "
-      "evaluation is non-finite; 0: never.", lower=0.0, group=_RELIABILITY)
+      "3) if its last logged loss is this many times its first (above 1), "
+      "or its evaluation is non-finite; 0: never.", lower=0.0,
+      group=_RELIABILITY)
   grace_period_s: float = option(
       30.0, "After SIGTERM, seconds to save a checkpoint and exit.",
       lower=0.1, upper=MAX_GRACE_PERIOD_S, group=_RELIABILITY)
@@ -173,9 +176,26 @@ class Config:
       raise UserError("--workdir is empty; name the run's directory, for "
                       "example --workdir=runs/default")
     self.profile_range  # pylint: disable=pointless-statement
+    self._check_step_size()
+    if 0 < self.diverged_loss_ratio <= 1:
+      raise UserError(f"--diverged_loss_ratio={self.diverged_loss_ratio:g} "
+                      "would call a run whose loss did not rise diverged; use "
+                      "a ratio above 1 (the default is 10), or 0 for never")
     for options in self.component_options():
       options_lib.check(options)
     return self
+
+  def _check_step_size(self) -> None:
+    """A step's input holds all its micro-batches: at most MAX_BATCH
+    examples."""
+    examples = self.global_batch_size * self.grad_accum_steps
+    if examples > MAX_BATCH:
+      raise UserError(
+          f"--grad_accum_steps={self.grad_accum_steps} micro-batches of "
+          f"--global_batch_size={self.global_batch_size} make {examples} "
+          f"examples per step, above the {MAX_BATCH} a step can hold; use "
+          f"--grad_accum_steps={MAX_BATCH // self.global_batch_size} or "
+          "fewer")
 
   def component_options(self) -> Tuple[Any, ...]:
     return (self.mode_options, self.model_options, self.dataset_options)

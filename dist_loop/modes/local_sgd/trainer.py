@@ -181,9 +181,6 @@ class LocalSGDTrainer(Mirrored, LoopTrainer, Reporting):
 def _check_options(options: LocalSGDOptions, train_steps: int) -> None:
   """The rules between the mode's options. Raises UserError."""
   h = options.sync_every
-  if not options.outer_learning_rate > 0:
-    raise UserError(f"--outer_learning_rate must be > 0, got "
-                    f"{options.outer_learning_rate:g}")
   if options.outer_optimizer == "average" and options.outer_momentum:
     raise UserError(f"--outer_momentum={options.outer_momentum:g} needs "
                     "--outer_optimizer=nesterov; drop it for average")
