@@ -53,10 +53,10 @@ flags.DEFINE_string("out", "bench.json", "Where the JSON results go.")
 flags.DEFINE_bool("quick", False, "Tiny sizes: checks the harness only.")
 
 
-@flags.validator("suite", message="unknown suite; choose from all, "
-                 + ", ".join(SUITES))
+@flags.validator("suite", message="unknown or no suite; choose one or "
+                 "more of: all, " + ", ".join(SUITES))
 def _known(names):
-  return all(n == "all" or n in SUITES for n in names)
+  return bool(names) and all(n == "all" or n in SUITES for n in names)
 
 
 def machine() -> dict:
