@@ -12,10 +12,11 @@ which registry fills which `Config` field.
 """
 
 import dataclasses
+import os
 from typing import Any, Dict, List, Tuple
 
 from dist_loop import cluster as cluster_lib
-from dist_loop import data, models, modes, optim
+from dist_loop import data, devices, models, modes, optim
 from dist_loop import options as options_lib
 from dist_loop.config import COMPONENT_FIELDS, Config
 from dist_loop.errors import UserError
@@ -110,6 +111,7 @@ def validate(config: Config, cluster: cluster_lib.Cluster) -> Config:
                       f"options of type {cls.__name__}, got "
                       f"{type(value).__name__}")
   config.validate()
+  devices.check_thread_variables(os.environ)
   check_fit(config.model, config.dataset)
   if cluster.num_tasks > 1 and not trainer_class.multi_process:
     raise UserError(f"--mode={config.mode} runs in one process, but "

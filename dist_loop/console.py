@@ -169,12 +169,19 @@ def setup(verbosity: int) -> None:
   tf_logger.setLevel(library_level(verbosity))
 
 
-def banner(config, devices: Sequence[str], model, dataset) -> str:
-  """The run's first line: mode, devices, model size, data size, schedule."""
+def banner(config, devices: Sequence[str], model, dataset,
+           cluster=None) -> str:
+  """The run's first line: mode, devices (and the cluster's tasks, in a
+  run of several processes), model size, data size, schedule."""
   params = sum(int(v.shape.num_elements()) for v in model.trainable_variables)
   names = ", ".join(d.rsplit("device:", 1)[-1] for d in devices)
-  count = f"{len(devices)} device{'s' if len(devices) != 1 else ''}"
-  return (f"{config.mode} on {count} ({names})  |  {config.model}: "
+  where = f"{len(devices)} device{'s' if len(devices) != 1 else ''} ({names})"
+  if cluster is not None and cluster.num_tasks > 1:
+    plural = lambda job, n: job + ("s" if n != 1 and job != "ps" else "")
+    jobs = ", ".join(f"{len(a)} {plural(job, len(a))}"
+                     for job, a in cluster.spec.items())
+    where = f"{jobs}, this one {cluster.task_name} on {where}"
+  return (f"{config.mode} on {where}  |  {config.model}: "
           f"{params:,} parameters  |  {config.dataset}: "
           f"{len(dataset.train_y):,} train / {len(dataset.eval_y):,} eval "
           f"examples  |  {config.train_steps:,} steps of "

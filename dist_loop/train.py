@@ -120,7 +120,7 @@ def _train(config, trainer, dataset, cluster, flags_text):
   try:
     summaries.hparams(_hparams(config))
     logging.info("%s", console.banner(config, trainer.devices, trainer.model,
-                                      dataset))
+                                      dataset, cluster))
     recovery = NonFinitePolicy(config, checkpointer, trainer, summaries)
     inputs = _inputs(config, trainer, dataset, checkpointer, summaries,
                      summary_path if trainer.is_chief else None,

@@ -57,7 +57,7 @@ def check(config: Config, dirs: Sequence[str] = ()) -> None:
   _check_location(root)
   if not os.path.isdir(root):
     return  # A new run: nothing in it to check.
-  for name in (FLAGS_FILE, SUMMARY_FILE, INDEX_FILE):
+  for name in (FLAGS_FILE, SUMMARY_FILE, INDEX_FILE, LOCK_FILE):
     _expect_kind(os.path.join(root, name), is_dir=False)
   for name in (CHECKPOINT_DIR, *dirs):
     _expect_kind(os.path.join(root, name), is_dir=True)
@@ -74,22 +74,47 @@ def _check_location(root: str) -> None:
       raise UserError(f"--workdir={root} is a file, not a directory; use "
                       "another --workdir, or move the file aside")
     if not os.access(path, os.R_OK | os.W_OK | os.X_OK):
-      raise UserError(f"--workdir={root} is not writable by this user; use "
+      raise UserError(f"--workdir={root} {_why_unwritable(path)}; use "
                       "another --workdir")
     return
-  parent = os.path.dirname(path)
+  parent = path
   while not os.path.exists(parent):
+    _refuse_dangling_link(parent, f"--workdir={root}")
     parent = os.path.dirname(parent)
   if not os.path.isdir(parent):
     raise UserError(f"--workdir={root} cannot be created: {parent} is a "
                     "file; use another --workdir")
   if not os.access(parent, os.W_OK | os.X_OK):
-    raise UserError(f"--workdir={root} cannot be created: {parent} is not "
-                    "writable; use another --workdir")
+    raise UserError(f"--workdir={root} cannot be created: {parent} "
+                    f"{_why_unwritable(parent)}; use another --workdir")
+
+
+def _why_unwritable(path: str) -> str:
+  """Why this process cannot write in the directory `path`: its filesystem
+  is mounted read-only (which holds for root too), or its permissions."""
+  try:
+    read_only = bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+  except OSError:
+    read_only = False
+  if read_only:
+    return "is on a read-only filesystem"
+  return "is not writable by this user"
+
+
+def _refuse_dangling_link(path: str, what: str) -> None:
+  """Raises if `path` is a symbolic link to nothing (it exists as a name,
+  so it can be neither created nor used)."""
+  if os.path.islink(path) and not os.path.exists(path):
+    raise UserError(f"{what}: {path} is a symbolic link to "
+                    f"{os.readlink(path)}, which does not exist; create that "
+                    "directory, or remove the link")
 
 
 def _expect_kind(path: str, is_dir: bool) -> None:
-  if not os.path.lexists(path) or os.path.isdir(path) == is_dir:
+  if not os.path.lexists(path):
+    return
+  _refuse_dangling_link(path, "this workdir cannot be used")
+  if os.path.isdir(path) == is_dir:
     return
   what, should = (("a file", "a directory") if is_dir
                   else ("a directory", "a file"))
