@@ -250,7 +250,8 @@ ASKED_BOUNDS = {
     "train_steps": (1, 2**31 - 1),
     "global_batch_size": (1, 2**20),
     "eval_batch_size": (1, 2**20),
-    "grad_accum_steps": (1, 2**31 - 1),
+    # A step holds at most 2**20 examples: this bound with a batch of 1.
+    "grad_accum_steps": (1, 2**20),
     "max_loss": (0.0, None),
 }
 
@@ -281,8 +282,10 @@ def _bound_cases():
                          ids=lambda v: str(v))
 def test_a_value_just_outside_a_bound_is_refused_at_parse_time(
     name, refused, accepted, bound):
-  """In one line that names the bound; the value at the bound passes."""
-  base = ["--dataset=synthetic", "--model=mlp", "--workdir=/tmp/unused"]
+  """In one line that names the bound; the value at the bound passes (with
+  a batch of 1, for the bounds that depend on the batch)."""
+  base = ["--dataset=synthetic", "--model=mlp", "--workdir=/tmp/unused",
+          "--global_batch_size=1"]
   with pytest.raises(flags.IllegalFlagValueError) as refusal:
     with flagsaver.flagsaver():
       flags.FLAGS.unparse_flags()
