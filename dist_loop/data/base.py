@@ -102,11 +102,15 @@ def load(config) -> Dataset:
 
 def _check_declaration(dataset: Dataset, name: str, declared: Gives) -> None:
   """Refuses a loader that gave other data than it declares: the parse-time
-  check of model and dataset trusted the declaration."""
+  check of model and dataset trusted the declaration. What a loader does
+  not declare is not compared (its defaults are a guess)."""
+  loader = DATASETS.get(name)
   got = Gives(dataset.task, dataset.train_x.dtype.name,
               len(dataset.input_shape))
-  if declared.rank is None:
-    got = got._replace(rank=None)
+  for field, attribute in (("task", "task"), ("dtype", "input_dtype"),
+                           ("rank", "input_rank")):
+    if not hasattr(loader, attribute):
+      got = got._replace(**{field: getattr(declared, field)})
   if got != declared:
     raise UserError(f"the loader of --dataset={name} declares {declared} but "
                     f"gave {got}; fix its declaration (data/base.py says how)")
