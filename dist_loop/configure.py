@@ -124,17 +124,20 @@ def validate(config: Config, cluster: cluster_lib.Cluster) -> Config:
 
 def fits(model: str, dataset: str) -> bool:
   """Whether the registered model takes what the registered dataset gives,
-  by their declarations (`models.takes`, `data.gives`)."""
+  by their declarations (`models.takes`, `data.gives`); what a dataset does
+  not declare is not held against it."""
   return _misfit(model, dataset) is None
 
 
-def _misfit(model: str, dataset: str):
-  """What of the model's declaration the dataset does not give, or None."""
+def _misfit(model: str, dataset: str, got=None):
+  """What of the model's declaration the dataset does not give (`got`: what
+  it gives; None: what it declares), or None."""
   want = models.takes(model)
-  got = data.gives(dataset, models.image_size_for(model))
-  if want.task != got.task:
+  if got is None:
+    got = data.gives(dataset, models.image_size_for(model))
+  if None not in (want.task, got.task) and want.task != got.task:
     return f"the {want.task} task, but --dataset={dataset} poses {got.task}"
-  if want.dtype != got.dtype:
+  if None not in (want.dtype, got.dtype) and want.dtype != got.dtype:
     return f"{want.dtype} inputs, but --dataset={dataset} gives {got.dtype}"
   if None not in (want.rank, got.rank) and want.rank != got.rank:
     return (f"examples of rank {want.rank}, but --dataset={dataset} gives "
@@ -142,20 +145,29 @@ def _misfit(model: str, dataset: str):
   return None
 
 
-def check_fit(model: str, dataset: str) -> None:
+def check_fit(model: str, dataset: str, got=None) -> None:
   """Refuses a model and a dataset that do not fit, naming what does.
+
+  Args:
+    model: a registered model.
+    dataset: a registered dataset.
+    got: what the loaded dataset gives (`data.given`), for the checks its
+      loader's declaration left open; None: its declaration only.
 
   Raises:
     UserError: one line: what the model takes, what the dataset gives, and
-      the registered models that take the dataset.
+      the registered pairs that fit.
   """
-  misfit = _misfit(model, dataset)
+  misfit = _misfit(model, dataset, got)
   if misfit is None:
     return
+  # Another model by task and dtype: the rank of loaded data depends on
+  # the image size the model asked for.
   fixes = [f"--model={m} with this dataset" for m in models.MODELS.names()
-           if fits(m, dataset)]
+           if m != model and _misfit(m, dataset, got and got._replace(
+               rank=None)) is None]
   fixes += [f"--dataset={d} with this model" for d in data.DATASETS.names()
-            if fits(model, d)]
+            if fits(model, d) and d != dataset]
   raise UserError(f"--model={model} takes {misfit}; use "
                   f"{' or '.join(fixes) or 'another pair'}")
 

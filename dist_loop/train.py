@@ -91,6 +91,8 @@ def _run(config, flags_text, cluster):
     if config.deterministic:
       tf.config.experimental.enable_op_determinism()
     dataset = data.load(config)
+    # What the loader did not declare, the loaded data tells.
+    configure.check_fit(config.model, config.dataset, data.given(dataset))
     try:
       trainer = build_trainer(config, device_names, dataset, cluster)
       try:

@@ -50,7 +50,16 @@ def loaded(tmp_path_factory):
   return load
 
 
-PAIRS = [(m, d) for m in models.MODELS.names() for d in data.DATASETS.names()]
+
+def _project(registry):
+  """The names registered by the project (dist_loop, its worked examples),
+  not by other test modules or benchmarks sharing this process."""
+  return [n for n in registry.names() if registry.get(n).__module__.startswith(
+      ("dist_loop.", "experiments."))]
+
+
+PAIRS = [(m, d) for m in _project(models.MODELS)
+         for d in _project(data.DATASETS)]
 
 
 @pytest.mark.parametrize("model,dataset", PAIRS)
@@ -64,6 +73,7 @@ def test_each_pair_builds_or_is_refused_in_one_line(model, dataset, loaded):
     assert f"--dataset={dataset}" in message
     assert " with this " in message  # A pair that fits, named.
     return
+  configure.check_fit(model, dataset)
   split, config = loaded(model, dataset)
   config = config.replace(model=model, model_options=None)
   config = configure.validate(config, configure.cluster_lib.parse(None))
@@ -103,3 +113,27 @@ def test_a_loader_that_breaks_its_declaration_is_named(tmp_path, monkeypatch):
   with pytest.raises(UserError, match=r"--dataset=synthetic declares .* but "
                      r"gave .*fix its declaration"):
     data.load(config)
+
+
+@data.DATASETS.register("test_undeclared_bytes")
+def _undeclared_bytes(data_dir, seed, image_size=None):
+  """Token windows whose loader declares nothing."""
+  del data_dir, seed, image_size
+  x = np.arange(64 * SEQ_LEN, dtype=np.int32).reshape(64, SEQ_LEN) % 256
+  return data.Dataset(x, x, x[:8], x[:8], 256, task="language_model")
+
+
+def test_what_a_loader_does_not_declare_is_checked_once_loaded(tmp_path):
+  """Not at parse time (nothing to go by), but before the model is built:
+  one line, and the refused run leaves no workdir."""
+  assert configure.fits("mlp", "test_undeclared_bytes")
+  workdir = tmp_path / "run"
+  code, out, err = run_main("--model=mlp", "--dataset=test_undeclared_bytes",
+                            f"--workdir={workdir}")
+  assert code == 1 and out == ""
+  assert err == ("error: --model=mlp takes the classification task, but "
+                 "--dataset=test_undeclared_bytes poses language_model; use "
+                 "--model=transformer with this dataset or --dataset=digits "
+                 "with this model or --dataset=mnist with this model or "
+                 "--dataset=synthetic with this model\n"), err
+  assert not workdir.exists()

@@ -14,8 +14,10 @@ refused while the flags are parsed (`gives`, `configure.check_fit`):
 `loader.input_rank` (the rank of one example: 1 for feature vectors or
 token windows, 3 for images), `loader.images = True` if it gives images of
 the size a model asks for (rank 3 then, whatever its own rank),
-`loader.input_dtype` ("float32" by default) and `loader.task`
-("classification" by default). `load` checks that the loader kept its word.
+`loader.input_dtype` ("float32", "int32") and `loader.task`
+("classification", "language_model"). `load` checks that the loader kept
+its word; what a loader does not declare is checked against the model once
+the data is loaded (`configure.check_fit` with `given`).
 
 `load` checks what a loader returns before anything trains (`check`): a file
 with the wrong shapes, labels out of range or no examples stops the run with
@@ -63,22 +65,30 @@ DATASETS: Registry = Registry("dataset", "dataset")
 
 
 class Gives(NamedTuple):
-  """What a dataset gives, as its loader declares it (see above)."""
+  """What a dataset gives; None where its loader does not declare it (then
+  only the loaded data tells, `given`)."""
 
-  task: str
-  dtype: str
-  rank: Optional[int]  # Of one example; None: not declared.
+  task: Optional[str]
+  dtype: Optional[str]
+  rank: Optional[int]  # Of one example.
 
 
 def gives(dataset_name: str, image_size: Optional[int] = None) -> Gives:
-  """The task, input dtype and example rank of the registered dataset, when
-  the model asks for images of `image_size` (None: it asks for none)."""
+  """The task, input dtype and example rank the registered dataset's loader
+  declares, when the model asks for images of `image_size` (None: it asks
+  for none)."""
   loader = DATASETS.get(dataset_name)
   rank = getattr(loader, "input_rank", None)
   if image_size is not None and getattr(loader, "images", False):
     rank = 3
-  return Gives(getattr(loader, "task", "classification"),
-               getattr(loader, "input_dtype", "float32"), rank)
+  return Gives(getattr(loader, "task", None),
+               getattr(loader, "input_dtype", None), rank)
+
+
+def given(dataset: Dataset) -> Gives:
+  """What a loaded dataset gives."""
+  return Gives(dataset.task, dataset.train_x.dtype.name,
+               len(dataset.input_shape))
 
 
 def load(config) -> Dataset:
@@ -103,14 +113,10 @@ def load(config) -> Dataset:
 def _check_declaration(dataset: Dataset, name: str, declared: Gives) -> None:
   """Refuses a loader that gave other data than it declares: the parse-time
   check of model and dataset trusted the declaration. What a loader does
-  not declare is not compared (its defaults are a guess)."""
-  loader = DATASETS.get(name)
-  got = Gives(dataset.task, dataset.train_x.dtype.name,
-              len(dataset.input_shape))
-  for field, attribute in (("task", "task"), ("dtype", "input_dtype"),
-                           ("rank", "input_rank")):
-    if not hasattr(loader, attribute):
-      got = got._replace(**{field: getattr(declared, field)})
+  not declare is not compared."""
+  got = given(dataset)
+  got = Gives(*(None if want is None else have
+                for want, have in zip(declared, got)))
   if got != declared:
     raise UserError(f"the loader of --dataset={name} declares {declared} but "
                     f"gave {got}; fix its declaration (data/base.py says how)")

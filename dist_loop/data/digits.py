@@ -38,3 +38,4 @@ def load(data_dir, seed, image_size=None) -> Dataset:
 # 8x8x1 images, or the size a model asks for.
 load.input_rank = 3
 load.images = True
+load.input_dtype, load.task = "float32", "classification"

@@ -33,3 +33,4 @@ def load(data_dir, seed, image_size=None) -> Dataset:
 # Feature vectors, or images of the size a model asks for.
 load.input_rank = 1
 load.images = True
+load.input_dtype, load.task = "float32", "classification"
