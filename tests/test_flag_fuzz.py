@@ -45,11 +45,11 @@ from absl import flags
 from absl.testing import flagsaver
 
 from conftest import REPO, run_main, run_train
-from dist_loop import config as config_lib
 from dist_loop import configure, data, models
-from dist_loop import options as options_lib
-from dist_loop.cluster import Cluster
-from dist_loop.errors import UserError
+from dist_loop.core import config as config_lib
+from dist_loop.core import options as options_lib
+from dist_loop.core.errors import UserError
+from dist_loop.runtime.cluster import Cluster
 from experiments import flags as run_flags
 from experiments import train as entry
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from dist_loop import configure, data, models
-from dist_loop.errors import UserError
+from dist_loop.core.errors import UserError
 from experiments import extensions  # noqa: F401  (registers residual_cnn)
 from tests.conftest import run_main
 

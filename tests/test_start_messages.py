@@ -12,9 +12,9 @@ import pytest
 import tensorflow as tf
 
 from conftest import REPO, run_main
-from dist_loop import console, devices
-from dist_loop.cluster import Cluster
-from dist_loop.errors import UserError
+from dist_loop.core.errors import UserError
+from dist_loop.runtime import console, devices
+from dist_loop.runtime.cluster import Cluster
 
 SMALL = ["--dataset=synthetic", "--model=mlp", "--train_steps=2"]
 

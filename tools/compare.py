@@ -19,7 +19,8 @@ directory that does not exist, is one `error:` line and exit code 1,
 before any output.
 
 The terminal shows the tool's own lines only; `--verbosity=1` adds
-TensorFlow's warnings, `--verbosity=2` everything (`dist_loop/console.py`).
+TensorFlow's warnings, `--verbosity=2` everything
+(`dist_loop/runtime/console.py`).
 """
 
 import json
@@ -29,7 +30,7 @@ from typing import Dict, List
 
 from absl import app, flags
 
-from dist_loop import console, process_exit
+from dist_loop.runtime import console, process_exit
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("plot", "compare.png", "Where the PNG plot goes ('' for "

@@ -31,8 +31,8 @@ from typing import NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from dist_loop.errors import UserError
-from dist_loop.registry import Registry
+from dist_loop.core.errors import UserError
+from dist_loop.core.registry import Registry
 
 
 @dataclasses.dataclass(frozen=True)
