@@ -166,21 +166,42 @@ class SyncTrainer(Mirrored, LoopTrainer, Reporting):
   # -- Reporting: bytes on the wire, memory held --
 
   def report(self) -> Report:
-    wire = accounting.wire(self, int(self.step.numpy()))
+    wire = self._wire(int(self.step.numpy()))
     scalars = compression.wire.scalars(wire.handed, self.float32_bytes)
     scalars["comm/ring_bytes_per_step"] = wire.ring
-    scalars.update(accounting.memory(self))
+    scalars.update(self.memory())
     return Report(scalars=scalars)
 
   def summary(self) -> Dict[str, object]:
     step = int(self.step.numpy())
-    wire = accounting.wire(self, step)
+    wire = self._wire(step)
     total = (self.compressor.bytes_total(step)
              + wire.gathers_per_step * wire.shard_bytes * step)
     per_step = total / step if step else wire.handed
     out = compression.wire.summary(per_step, total, self.float32_bytes)
     out["allreduce_ring_bytes_per_step"] = wire.ring
     out["shard"] = self.options.shard
-    out.update({k.replace("/", "_"): v
-                for k, v in accounting.memory(self).items()})
+    out.update({k.replace("/", "_"): v for k, v in self.memory().items()})
     return out
+
+  def memory(self) -> Dict[str, float]:
+    """`memory/...`: what one replica holds (`sharding/accounting.py`)."""
+    replicas = self.strategy.num_replicas_in_sync
+    variables = self.model.trainable_variables
+    if self.sharding is None:  # Keras: iterations, learning rate, slots.
+      return accounting.memory("none", replicas, variables,
+                               self.optimizer.variables[2:])
+    state = self.sharding.state
+    return accounting.memory(self.sharding.stage, replicas, variables,
+                             state.slots, state.shards, state.layout.padding)
+
+  def _wire(self, step: int):
+    """The bytes of step `step` (`sharding/accounting.py`)."""
+    replicas = self.strategy.num_replicas_in_sync
+    gradient = self.compressor.bytes_at(max(step - 1, 0))
+    if self.sharding is None:
+      return accounting.wire(replicas, gradient)
+    return accounting.wire(
+        replicas, gradient, self.sharding.stage,
+        accounting.variable_bytes(self.sharding.state.shards),
+        self.config.steps_per_loop)
