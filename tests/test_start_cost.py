@@ -2,13 +2,15 @@
 
 Two costs were paid at every start of every process (each worker of a
 cluster, each restart) and are gone; these tests fail if they return:
-- AutoGraph: every `tf.function` of the repository (the library, the
-  tools, these tests) is traced with `autograph=False` (why:
-  `modes/loop.py`, "No AutoGraph"; a test's `tf.function` around library
+- AutoGraph on the library's code: every `tf.function` of the repository
+  (the library, the tools, these tests) is traced with `autograph=False`
+  (why: `dist_loop/user_code.py`; a test's `tf.function` around library
   code would convert that code too). Read from the source with `ast`, so a
   new `tf.function` is caught before it runs; and a whole run checks what
   the source does not show: tf.data's functions, and those TensorFlow
-  wraps in a `tf.function` of its own.
+  wraps in a `tf.function` of its own. User code is converted on purpose
+  (`user_code.convert`); `tests/test_user_code.py` checks that a user's
+  mode converts its own code and none of the library's.
 - matplotlib at TensorFlow's import (`dist_loop/tf_import.py`): conftest
   imports TensorFlow the way the entry points do.
 """
@@ -61,7 +63,7 @@ def test_every_tf_function_of_the_library_is_traced_without_autograph():
   offenders = [f"{os.path.relpath(path, REPO)}:{line}: {text}"
                for path in _sources() for line, text in _autograph_on(path)]
   assert not offenders, ("tf.function without autograph=False "
-                         "(modes/loop.py, 'No AutoGraph'):\n"
+                         "(dist_loop/user_code.py says why):\n"
                          + "\n".join(offenders))
 
 
@@ -83,21 +85,24 @@ def test_the_check_sees_each_way_of_leaving_autograph_on(tmp_path):
   assert [line for line, _ in _autograph_on(path)] == [2, 4, 5, 6]
 
 
-def test_a_run_converts_none_of_the_repository_with_autograph(small_config):
+def test_a_run_converts_none_of_the_library_with_autograph(small_config):
   """AutoGraph keeps every function it converted, by code object, for the
   life of the process (its transpiler's cache: TensorFlow internals, read
   only here). After a run with replicas, accumulation, evaluation and a
   checkpoint (and whatever this process ran before it), none of the
-  repository's code may be among them."""
+  library's or the tools' code may be among them. The worked examples and
+  tests may be: they are user code (`user_code.convert`)."""
   summary = train.run(small_config(num_devices=2, grad_accum_steps=3,
                                    global_batch_size=24, train_steps=2,
                                    steps_per_loop=2, eval_every=2,
                                    checkpoint_every=2))
   assert summary["final_step"] == 2
   converted = list(autograph_api._TRANSPILER._cache._cache)  # pylint: disable=protected-access
+  library = tuple(os.path.join(REPO, top) + os.sep
+                  for top in ("dist_loop", "tools"))
   ours = sorted({f"{os.path.relpath(c.co_filename, REPO)}:{c.co_name}"
                  for c in converted if hasattr(c, "co_filename")
-                 and os.path.realpath(c.co_filename).startswith(REPO)})
+                 and os.path.realpath(c.co_filename).startswith(library)})
   assert not ours, ours
 
 

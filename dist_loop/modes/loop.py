@@ -40,16 +40,18 @@ the rest, written once:
 splits a call among them): the pipeline's timed and untimed steps, sync's
 exact warm-up before a compressor starts. Modes with one loop ignore it.
 
-**No AutoGraph.** The loop is traced with `autograph=False`, as is every
-`tf.function` of the repository (and the input's tf.data functions): a
-step's Python runs once, at trace time, and control flow on tensors is
-written out (`tf.while_loop` here and in `step.accumulated_gradients`,
-`tf.cond` in local SGD's `after_step`). So `replica_step` must not branch
-on a tensor with `if` or loop over one with `for`; Python control flow on
-Python values (options, layers) is fine.
-AutoGraph converted the loop and everything it calls from source at every
-process start: a 4-step sync run took 10.7-11.9 s of CPU with it and
-7.5-7.8 s without (2 runs each), paid again by every worker and restart.
+**AutoGraph for the mode's code, not the loop's.** The loop is traced with
+`autograph=False`, as is every `tf.function` of the library (and the
+input's tf.data functions), so its Python runs once, at trace time, and
+its control flow on tensors is written out (`tf.while_loop` here and in
+`step.accumulated_gradients`). A mode written outside dist_loop has its
+`replica_step` and `after_step` converted with AutoGraph when the loop is
+first traced (`dist_loop/user_code.py`), so a Python `if` on a tensor or a
+`for` over `tf.range` works there as in TensorFlow's guides; a class that
+sets `autograph = False` opts out. The library's own modes are not
+converted: AutoGraph converts from source at every process start, which
+cost a 4-step sync run about 3-4 s of CPU, paid again by every worker and
+restart.
 """
 
 import abc
@@ -60,6 +62,7 @@ import numpy as np
 import tensorflow as tf
 
 from dist_loop import step as step_core
+from dist_loop import user_code
 from dist_loop.data import stream, train_dataset_fn
 from dist_loop.errors import NonFiniteError
 from dist_loop.modes.base import Trainer, train_metrics
@@ -228,8 +231,11 @@ class LoopTrainer(Trainer):
     may_skip = skip_all or self.loss_scale is not None
     max_loss = self.config.max_loss
 
+    replica_step = user_code.convert(self.replica_step)
+    after_step = user_code.convert(self.after_step)
+
     def replica(batch, sums):
-      out = self.replica_step(batch, variant)
+      out = replica_step(batch, variant)
       loss = out.shares["loss"]
       sums = step_core.add_step(
           sums, {**out.shares, **out.means}, applied=out.applied,
@@ -245,7 +251,7 @@ class LoopTrainer(Trainer):
         batch = stream.replica_batches(self.strategy, batch)
       sums, applied, loss, new_carry = self.run_replicas(replica, batch, sums)
       self.step.assign_add(1)
-      self.after_step()
+      after_step()
       ends = self._ends_loop(self._first(applied), loss, skip_all, may_skip)
       if ends is not False:  # `train` raises; the carry goes unused.
         bad_step = tf.where(ends, self.step.read_value(), bad_step)

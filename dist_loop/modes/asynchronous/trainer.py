@@ -26,6 +26,7 @@ import tensorflow as tf
 from dist_loop import models, optim, staleness
 from dist_loop import precision as precision_lib
 from dist_loop import straggler as straggler_lib
+from dist_loop import user_code
 from dist_loop.errors import NonFiniteError, UserError
 from dist_loop.modes.asynchronous import policies
 from dist_loop.modes.asynchronous.applier import Applier
@@ -86,7 +87,8 @@ class AsyncTrainer(Trainer, Reporting):
         self.model, self.optimizer, self.step, self.master_device,
         max_staleness=options.max_staleness,
         staleness_lr=policies.STALENESS_LR.get(options.staleness_lr),
-        compensation=policies.COMPENSATIONS.get(options.async_compensation),
+        compensation=user_code.convert(  # An extension's: AutoGraph.
+            policies.COMPENSATIONS.get(options.async_compensation)),
         dc_lambda=options.dc_lambda, loss_scale=self.loss_scale,
         max_loss=config.max_loss)
     self.workers = self._make_workers(config, devices, dataset)
