@@ -142,8 +142,9 @@ def test_a_user_step_with_python_control_flow_on_tensors_trains(
                autograph_api._TRANSPILER._cache._cache  # pylint: disable=protected-access
                if hasattr(c, "co_filename")}
   assert any(name.endswith("my_modes.py") for name in converted)
+  library = os.path.join(REPO, "dist_loop") + os.sep
   assert not [name for name in converted
-              if os.path.realpath(name).startswith(REPO)]
+              if os.path.realpath(name).startswith(library)]
 
 
 def test_what_is_user_code(user_module):

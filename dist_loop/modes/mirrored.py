@@ -12,7 +12,9 @@ before its base class. It decides:
   since building it starts the runtime);
 * what a lost peer means: one line naming `--collective_timeout_s`;
 * the strategy itself (`build_strategy`), checked against the replica
-  count the config asked for.
+  count the config asked for;
+* where the master variables are read (`scope`) and differentiated
+  (`on_master`: on the first replica).
 """
 
 import tensorflow as tf
@@ -93,3 +95,10 @@ class Mirrored:
           f"{config.num_devices} on each of {cluster.num_trainers} workers "
           f"asks for {wanted}; make every worker see --num_devices devices")
     return strategy
+
+  def scope(self):
+    return self.strategy.scope()
+
+  def on_master(self, fn, *args):
+    cache = self.__dict__.setdefault("_on_master_fns", {})
+    return strategy_lib.on_first_replica(self.strategy, cache, fn, *args)
