@@ -18,6 +18,7 @@ from tensorflow.python.autograph.impl import api as autograph_api
 
 from conftest import REPO
 from dist_loop import user_code
+from dist_loop.compression import COMPRESSORS
 from dist_loop.modes import MODES
 from helpers import initial_and_trained
 
@@ -29,6 +30,7 @@ import tensorflow as tf
 
 from dist_loop import models, optim
 from dist_loop import step as step_core
+from dist_loop.compression import COMPRESSORS, Compressor, nbytes
 from dist_loop.modes import MODES, LoopTrainer, StepResult
 from dist_loop.modes.mirrored import Mirrored
 
@@ -99,6 +101,22 @@ class WrittenOut(_Base):
         lambda i, f: (i + 1, f + 1.0 / tf.cast(i + 1, tf.float32)),
         (tf.constant(0), tf.constant(0.0)))
     return self._apply(shares, [g / factor for g in grads])
+
+
+@COMPRESSORS.register("guarded")
+class Guarded(Compressor):
+  """The exact sum, with a gradient that holds a NaN sent as zeros."""
+
+  def reduce(self, grads, state, step):
+    out = []
+    for g in self.all_reduce(grads):
+      if tf.reduce_any(tf.math.is_nan(g)):
+        g = tf.zeros_like(g)
+      out.append(g)
+    return out, state
+
+  def wire_bytes(self):
+    return sum(nbytes(s, d) for s, d in zip(self.shapes, self.dtypes))
 '''
 
 
@@ -113,8 +131,9 @@ def user_module(tmp_path_factory):
   sys.modules["my_modes"] = module
   spec.loader.exec_module(module)
   yield module
-  for name in ("guide", "written_out"):  # Other tests list the modes.
+  for name in ("guide", "written_out"):  # Other tests list them.
     MODES._entries.pop(name)  # pylint: disable=protected-access
+  COMPRESSORS._entries.pop("guarded")  # pylint: disable=protected-access
   sys.modules.pop("my_modes", None)
 
 
@@ -145,6 +164,18 @@ def test_a_user_step_with_python_control_flow_on_tensors_trains(
   library = os.path.join(REPO, "dist_loop") + os.sep
   assert not [name for name in converted
               if os.path.realpath(name).startswith(library)]
+
+
+def test_a_user_compressor_with_a_tensor_if_equals_the_exact_sum(
+    user_module, small_config):
+  del user_module
+  trained = {
+      name: initial_and_trained(small_config(
+          mode="sync", num_devices=2, train_steps=3, steps_per_loop=3,
+          global_batch_size=16, allreduce_compression=name), 3)[1]
+      for name in ("guarded", "none")}
+  for a, b in zip(trained["guarded"], trained["none"]):
+    np.testing.assert_array_equal(a, b)
 
 
 def test_what_is_user_code(user_module):
