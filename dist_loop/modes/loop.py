@@ -1,5 +1,5 @@
-"""The loop base: a mode that applies one update per step writes its build
-and its step, and nothing else.
+"""The loop base: a mode that applies one update per step writes its build,
+its step, and at most a hook on each side of an inner loop.
 
 Orbit's `StandardTrainer` lets a trainer write only `train_step`; this is the
 same idea for the modes whose every step is one update (sync, pipeline,
@@ -55,9 +55,7 @@ its control flow on tensors is written out (`tf.while_loop` here and in
 first traced (`dist_loop/user_code.py`), so a Python `if` on a tensor or a
 `for` over `tf.range` works there as in TensorFlow's guides; a class that
 sets `autograph = False` opts out. The library's own modes are not
-converted: AutoGraph converts from source at every process start, which
-cost a 4-step sync run about 3-4 s of CPU, paid again by every worker and
-restart.
+converted (`user_code.py` says why).
 """
 
 import abc

@@ -2,8 +2,8 @@
 (MirroredStrategy) or across the workers of a cluster
 (MultiWorkerMirroredStrategy): sync and local_sgd.
 
-`Mirrored` is a mixin of class methods and one builder; a mode lists it
-before its base class. It decides:
+`Mirrored` is a mixin of class methods and three instance methods; a mode
+lists it before its base class. It decides:
 
 * how many replicas there are: every training process's `--num_devices`;
 * which clusters it accepts: workers only, one replica per worker on CPU;
@@ -27,8 +27,8 @@ from dist_loop.errors import UserError
 
 
 class Mirrored:
-  """Class methods shared by the modes that run (MultiWorker)Mirrored
-  strategies. See the module docstring."""
+  """What the modes that run (MultiWorker)Mirrored strategies share. See
+  the module docstring."""
 
   multi_process = True
 
