@@ -4,14 +4,14 @@ Two costs were paid at every start of every process (each worker of a
 cluster, each restart) and are gone; these tests fail if they return:
 - AutoGraph on the library's code: every `tf.function` of the repository
   (the library, the tools, these tests) is traced with `autograph=False`
-  (why: `dist_loop/user_code.py`; a test's `tf.function` around library
+  (why: `dist_loop/runtime/user_code.py`; a test's `tf.function` around library
   code would convert that code too). Read from the source with `ast`, so a
   new `tf.function` is caught before it runs; and a whole run checks what
   the source does not show: tf.data's functions, and those TensorFlow
   wraps in a `tf.function` of its own. User code is converted on purpose
   (`user_code.convert`); `tests/test_user_code.py` checks that a user's
   mode converts its own code and none of the library's.
-- matplotlib at TensorFlow's import (`dist_loop/tf_import.py`): conftest
+- matplotlib at TensorFlow's import (`dist_loop/runtime/tf_import.py`): conftest
   imports TensorFlow the way the entry points do.
 """
 
@@ -24,7 +24,8 @@ import pytest
 from tensorflow.python.autograph.impl import api as autograph_api
 
 from conftest import REPO
-from dist_loop import tf_import, train
+from dist_loop import train
+from dist_loop.runtime import tf_import
 
 TRACED_DIRS = ("dist_loop", "experiments", "tools", "tests")
 
@@ -63,7 +64,7 @@ def test_every_tf_function_of_the_library_is_traced_without_autograph():
   offenders = [f"{os.path.relpath(path, REPO)}:{line}: {text}"
                for path in _sources() for line, text in _autograph_on(path)]
   assert not offenders, ("tf.function without autograph=False "
-                         "(dist_loop/user_code.py says why):\n"
+                         "(dist_loop/runtime/user_code.py says why):\n"
                          + "\n".join(offenders))
 
 

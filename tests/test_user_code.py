@@ -1,4 +1,4 @@
-"""User code is traced with AutoGraph (`dist_loop/user_code.py`).
+"""User code is traced with AutoGraph (`dist_loop/runtime/user_code.py`).
 
 A mode registered from a module outside the repository writes its step the
 way TensorFlow's guides do: a Python `if` on a tensor and a `for` over
@@ -17,9 +17,9 @@ import tensorflow as tf
 from tensorflow.python.autograph.impl import api as autograph_api
 
 from conftest import REPO
-from dist_loop import user_code
-from dist_loop.compression import COMPRESSORS
-from dist_loop.modes import MODES
+from dist_loop.parallel.compression import COMPRESSORS
+from dist_loop.parallel.modes import MODES
+from dist_loop.runtime import user_code
 from helpers import initial_and_trained
 
 # One module, two modes: `guide` with AutoGraph's Python control flow, and
@@ -30,9 +30,9 @@ import tensorflow as tf
 
 from dist_loop import models, optim
 from dist_loop import step as step_core
-from dist_loop.compression import COMPRESSORS, Compressor, nbytes
-from dist_loop.modes import MODES, LoopTrainer, StepResult
-from dist_loop.modes.mirrored import Mirrored
+from dist_loop.parallel.compression import COMPRESSORS, Compressor, nbytes
+from dist_loop.parallel.modes import MODES, LoopTrainer, StepResult
+from dist_loop.parallel.modes.mirrored import Mirrored
 
 CLIP = 0.05  # Small: clipping happens in some steps, not all.
 TERMS = 3
