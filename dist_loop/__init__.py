@@ -2,7 +2,7 @@
 
 The library never reads flags: build a `Config` and call `run(config)`.
 It never sets up logging either: how much TensorFlow prints is the entry
-point's choice (`dist_loop/console.py`).
+point's choice (`dist_loop/runtime/console.py`).
 """
 
 import os
@@ -11,8 +11,8 @@ import os
 # TensorFlow's.
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
-from dist_loop.config import Config  # pylint: disable=g-import-not-at-top
-from dist_loop.errors import DivergedError, NonFiniteError, UserError
+from dist_loop.core.config import Config  # pylint: disable=g-import-not-at-top
+from dist_loop.core.errors import DivergedError, NonFiniteError, UserError
 
 
 def make_config(**fields):
@@ -27,5 +27,11 @@ def run(config, flags_text=None, cluster=None):
   return train.run(config, flags_text, cluster)
 
 
+def load_model(config, path=None):
+  """See `dist_loop.control.weights.load_model`: a run's latest weights."""
+  from dist_loop.control import weights  # pylint: disable=g-import-not-at-top
+  return weights.load_model(config, path)
+
+
 __all__ = ["Config", "DivergedError", "NonFiniteError", "UserError",
-           "make_config", "run"]
+           "load_model", "make_config", "run"]
