@@ -45,7 +45,8 @@ from absl import logging as absl_logging
 
 from dist_loop.runtime import tf_import
 
-_REPO = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.realpath(__file__))))
 OUR_DIRS = tuple(os.path.join(_REPO, name) + os.sep
                  for name in ("dist_loop", "experiments", "tools"))
 # A native (glog/absl) log line: severity letter, then MMDD.
