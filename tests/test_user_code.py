@@ -28,8 +28,9 @@ from helpers import initial_and_trained
 USER_MODULE = '''
 import tensorflow as tf
 
-from dist_loop import models, optim
-from dist_loop import step as step_core
+from dist_loop import models
+from dist_loop.training import optim
+from dist_loop.training import step as step_core
 from dist_loop.parallel.compression import COMPRESSORS, Compressor, nbytes
 from dist_loop.parallel.modes import MODES, LoopTrainer, StepResult
 from dist_loop.parallel.modes.mirrored import Mirrored
