@@ -5,8 +5,8 @@ Every flag is generated from a dataclass of `option(...)` fields
 each mode's, model's and dataset's from the `Options` it declares. A flag's
 type, default, help, bounds, choices and `--helpfull` group are what the
 field declares, so they are written once; this file does not change when a
-field or a component is added (extensions register theirs on import,
-below). `--helpfull` lists the run-wide flags by section ("run: the loop")
+field or a component is added (the user's modules, `--user_modules`,
+register theirs when the entry point imports them, before this module). `--helpfull` lists the run-wide flags by section ("run: the loop")
 and each component's under its name ("options of --mode=pipeline").
 
 The whole configuration is checked once, while absl parses: absl's own
@@ -29,7 +29,7 @@ from dist_loop import config as config_lib
 from dist_loop import configure, optim
 from dist_loop import options as options_lib
 from dist_loop.errors import UserError
-from experiments import extensions  # pylint: disable=unused-import
+from experiments import user_modules
 
 FLAGS = flags.FLAGS
 
@@ -113,8 +113,8 @@ def define_component_flags() -> None:
   """Defines a flag for every option of every registered mode, model and
   dataset, once per name.
 
-  Called at import, after the extensions registered theirs; call it again
-  for a component registered later.
+  Called at import, after the user's modules registered theirs; call it
+  again for a component registered later.
 
   Raises:
     ValueError: an option has the name of another flag, or two components
@@ -151,7 +151,9 @@ define_component_flags()
 
 def _values(overrides: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
   """The run-wide flags, the options of the chosen components, and any
-  other option the user set (which `configure.make_config` refuses)."""
+  other option the user set (which `configure.make_config` refuses). An
+  option of a component registered after the flags were made (imported by
+  a program, not by `--user_modules`) has no flag: its default applies."""
   overrides = overrides or {}
 
   def value(name):
@@ -161,7 +163,7 @@ def _values(overrides: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
   chosen = {f"--{selector}={fields[selector]}"
             for selector, _, _ in configure.COMPONENTS}
   for name, owners in configure.owners().items():
-    if chosen & set(owners) or FLAGS[name].present:
+    if name in FLAGS and (chosen & set(owners) or FLAGS[name].present):
       fields[name] = value(name)
   return fields
 
@@ -229,5 +231,8 @@ def to_config() -> config_lib.Config:
 
 def to_flagfile() -> str:
   """The resolved run flags in flagfile format, for WORKDIR/flags.txt:
-  the run-wide flags and the chosen components' options."""
-  return to_config().to_flagfile()
+  `--user_modules` (paths absolute), the run-wide flags and the chosen
+  components' options."""
+  modules = user_modules.recorded(FLAGS.user_modules)
+  return ((f"--user_modules={','.join(modules)}\n" if modules else "")
+          + to_config().to_flagfile())

@@ -20,7 +20,7 @@ from dist_loop.modes import MODES
 from dist_loop.modes.asynchronous.applier import Applier
 from dist_loop.modes.asynchronous.worker import Push
 from dist_loop.modes.ps import stats, update
-from experiments import extensions  # noqa: F401  (registers single_device)
+from experiments.extensions import single_device  # noqa: F401  (registers it)
 from helpers import make_trainer
 
 
