@@ -1,10 +1,11 @@
 """The command line as written, read before absl parses it.
 
-Two things must be known before the flags exist: which flagfiles the
-command names (read here rather than by absl, for the rules below) and what
-the process must do before the flags are generated: `--verbosity` (how
-quietly TensorFlow starts) and `--user_modules` (the user's code, whose
-components bring their own flags). `expand_flagfiles` replaces each
+Some of the command line must be known before the flags exist: the
+flagfiles it names (read here rather than by absl, for the rules below),
+then two flags that decide what the process does before the flags are
+generated: `--verbosity` (how quietly TensorFlow starts) and
+`--user_modules` (the user's code, whose components bring their own
+flags). `expand_flagfiles` replaces each
 `--flagfile` by the flags its file holds; `requested_verbosity` and
 `requested_user_modules` read those two flags from the result.
 
