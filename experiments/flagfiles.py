@@ -22,7 +22,7 @@ from typing import List, Sequence, Tuple
 
 from absl import flags
 
-from dist_loop.errors import UserError
+from dist_loop.core.errors import UserError
 
 _FLAGFILE = ("--flagfile", "-flagfile")
 # A flagfile is a page of flags; anything larger is not one.

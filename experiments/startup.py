@@ -42,7 +42,7 @@ _DEFERRED = "matplotlib"
 def start(verbosity: int) -> None:
   """An entry point's first step: the exit without the collector, then
   TensorFlow imported quietly (`console.start`) with matplotlib deferred."""
-  from dist_loop import console  # pylint: disable=g-import-not-at-top
+  from dist_loop.runtime import console  # pylint: disable=g-import-not-at-top
   skip_final_gc()
   with matplotlib_deferred():
     console.start(verbosity)

@@ -7,7 +7,7 @@ Rerunning the same command resumes from the workdir's latest checkpoint.
 `--helpfull` lists every flag, with each mode's, model's and dataset's own
 options under its name. The terminal shows the run's own lines only;
 `--verbosity=1` adds TensorFlow's warnings, `--verbosity=2` everything
-(`dist_loop/console.py`).
+(`dist_loop/runtime/console.py`).
 
 Before absl parses, the command line's flagfiles are read
 (`experiments/flagfiles.py`: a nested `--flagfile` is found next to the
@@ -59,7 +59,7 @@ if __name__ == "__main__":
 from absl import app, flags
 
 import dist_loop
-from dist_loop import console
+from dist_loop.runtime import console
 from experiments import flagfiles, startup, user_modules
 # pylint: enable=g-import-not-at-top,wrong-import-position
 

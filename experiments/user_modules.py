@@ -26,7 +26,7 @@ from typing import List, Sequence
 
 from absl import flags
 
-from dist_loop.errors import UserError
+from dist_loop.core.errors import UserError
 
 flags.DEFINE_list(
     "user_modules", [], "Your own modules, imported before the flags are "

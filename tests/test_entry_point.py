@@ -46,8 +46,8 @@ import dist_loop
 from conftest import REPO, run_main
 from helpers import make_trainer
 from dist_loop import Config, configure, train
-from dist_loop import options as options_lib
-from dist_loop import cluster as cluster_lib
+from dist_loop.core import options as options_lib
+from dist_loop.runtime import cluster as cluster_lib
 from experiments import flags as run_flags
 from experiments import flagfiles
 from experiments import train as entry
@@ -492,8 +492,8 @@ import os
 import time
 
 import keras
+from dist_loop.core.options import option
 from dist_loop.models import MODELS
-from dist_loop.options import option
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 open(os.path.join(HERE, "importing"), "w").close()

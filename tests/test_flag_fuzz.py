@@ -34,8 +34,8 @@ from absl.testing import flagsaver
 
 from conftest import run_main, run_train
 from dist_loop import configure
-from dist_loop.cluster import Cluster
-from dist_loop.errors import UserError
+from dist_loop.core.errors import UserError
+from dist_loop.runtime.cluster import Cluster
 from experiments import flags as run_flags
 
 # flag -> (valid arguments, invalid arguments); None leaves the flag out.

@@ -20,7 +20,7 @@ from absl import flags
 from absl.testing import flagsaver
 
 from conftest import REPO
-from dist_loop.errors import UserError
+from dist_loop.core.errors import UserError
 from experiments import flagfiles
 from experiments import flags as run_flags
 

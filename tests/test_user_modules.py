@@ -32,8 +32,8 @@ import dataclasses
 
 import keras
 from absl import logging
+from dist_loop.core.options import option
 from dist_loop.models import MODELS
-from dist_loop.options import option
 
 
 @dataclasses.dataclass(frozen=True)
