@@ -112,7 +112,7 @@ def pytest_collection_modifyitems(items):
 
 def checkpoint_variables(config):
   """The trainable variables of a run's latest checkpoint, as numpy."""
-  from dist_loop.runtime import checkpoints  # pylint: disable=g-import-not-at-top
+  from dist_loop.control import weights  # pylint: disable=g-import-not-at-top
   return [np.asarray(v) for v in
           weights.load_model(config).trainable_variables]
 

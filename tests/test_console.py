@@ -18,7 +18,7 @@ from conftest import REPO
 from dist_loop.runtime import console
 from experiments import flagfiles
 
-OURS = os.path.join(REPO, "dist_loop", "controller.py")
+OURS = os.path.join(REPO, "dist_loop", "control", "controller.py")
 THEIRS = os.path.join(os.path.dirname(tf.__file__), "python", "checkpoint",
                       "functional_saver.py")
 
