@@ -22,7 +22,6 @@ from typing import Dict, Optional
 import tensorflow as tf
 from absl import logging
 
-from dist_loop import data, models
 from dist_loop.core.errors import UserError
 from dist_loop.runtime import resume
 from dist_loop.runtime import strategy as strategy_lib
