@@ -11,21 +11,22 @@ cluster, each restart) and are gone; these tests fail if they return:
   wraps in a `tf.function` of its own. User code is converted on purpose
   (`user_code.convert`); `tests/test_user_code.py` checks that a user's
   mode converts its own code and none of the library's.
-- matplotlib at TensorFlow's import (`dist_loop/runtime/tf_import.py`): conftest
-  imports TensorFlow the way the entry points do.
+- matplotlib at TensorFlow's import (`experiments/startup.py`): conftest
+  imports TensorFlow the way the entry points do. Keras's plotting helpers
+  still work.
 """
 
 import ast
 import importlib
+import importlib.util
 import os
 import sys
 
-import pytest
 from tensorflow.python.autograph.impl import api as autograph_api
 
 from conftest import REPO
 from dist_loop import train
-from dist_loop.runtime import tf_import
+from experiments import startup
 
 TRACED_DIRS = ("dist_loop", "experiments", "tools", "tests")
 
@@ -107,21 +108,29 @@ def test_a_run_converts_none_of_the_library_with_autograph(small_config):
   assert not ours, ours
 
 
-def test_tensorflow_loads_without_matplotlib_which_still_imports_after():
+def test_tensorflow_loads_without_pyplot_and_keras_can_still_plot(tmp_path):
+  """conftest imported TensorFlow as the entry points do: Keras got a
+  stand-in for pyplot, not pyplot. Afterwards the real pyplot imports,
+  the stand-in reads through to it, and Keras's plotting helper draws."""
   keras_gallery = sys.modules["keras.src.visualization.plot_image_gallery"]
-  # Keras looked for pyplot while conftest imported TensorFlow, and did not
-  # find it; nothing of the hiding is left behind.
-  assert keras_gallery.plt is None
-  assert not [f for f in sys.meta_path if isinstance(f, tf_import._Hide)]  # pylint: disable=protected-access
+  assert isinstance(keras_gallery.plt, startup._Deferred)  # pylint: disable=protected-access
+  assert not [f for f in sys.meta_path if isinstance(f, startup._Finder)]  # pylint: disable=protected-access
   pyplot = importlib.import_module("matplotlib.pyplot")
-  assert callable(pyplot.subplots)
-  assert tf_import.import_tensorflow() is sys.modules["tensorflow"]
+  assert not isinstance(pyplot, startup._Deferred)  # pylint: disable=protected-access
+  assert keras_gallery.plt.subplots is pyplot.subplots
+  import keras  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  keras.visualization.plot_image_gallery(
+      np.zeros((2, 8, 8, 3)), value_range=(0, 1), path=str(tmp_path / "g.png"))
+  assert (tmp_path / "g.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  assert startup.import_tensorflow() is sys.modules["tensorflow"]
 
 
-def test_the_hiding_covers_matplotlib_and_its_submodules_only():
-  finder = tf_import._Hide()  # pylint: disable=protected-access
-  for name in ("matplotlib", "matplotlib.pyplot"):
-    with pytest.raises(ModuleNotFoundError, match="hidden"):
-      finder.find_spec(name)
-  for name in ("matplotlibx", "numpy", "keras.src.visualization"):
+def test_the_deferral_covers_matplotlib_modules_that_exist_only():
+  real = importlib.util.find_spec("matplotlib").submodule_search_locations
+  finder = startup._Finder(real)  # pylint: disable=protected-access
+  for name in ("matplotlib", "matplotlib.pyplot", "matplotlib.patches"):
+    assert finder.find_spec(name).loader is finder
+  for name in ("matplotlibx", "numpy", "keras.src.visualization",
+               "matplotlib.no_such_module"):
     assert finder.find_spec(name) is None
