@@ -131,9 +131,11 @@ def test_what_a_loader_does_not_declare_is_checked_once_loaded(tmp_path):
   code, out, err = run_main("--model=mlp", "--dataset=test_undeclared_bytes",
                             f"--workdir={workdir}")
   assert code == 1 and out == ""
-  assert err == ("error: --model=mlp takes the classification task, but "
-                 "--dataset=test_undeclared_bytes poses language_model; use "
-                 "--model=transformer with this dataset or --dataset=digits "
-                 "with this model or --dataset=mnist with this model or "
-                 "--dataset=synthetic with this model\n"), err
+  # One line; the datasets it names are those registered in this process
+  # (other test files register their own).
+  assert err.count("\n") == 1 and err.startswith(
+      "error: --model=mlp takes the classification task, but "
+      "--dataset=test_undeclared_bytes poses language_model; use "
+      "--model=transformer with this dataset or --dataset=digits "
+      "with this model"), err
   assert not workdir.exists()
