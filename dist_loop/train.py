@@ -148,7 +148,6 @@ def _inputs(config, trainer, dataset, checkpointer, summaries, summary_path,
   reporting = isinstance(trainer, Reporting)
   if reporting:
     summary_parts = [*summary_parts, trainer.summary]
-  optimizer = trainer.optimizer
   return actions.Inputs(
       summaries=summaries,
       evaluator=Evaluator(trainer.model, dataset, config.eval_batch_size,
@@ -159,8 +158,7 @@ def _inputs(config, trainer, dataset, checkpointer, summaries, summary_path,
       # What `report` adds (bits per byte) is named by calling it.
       reported_names=tuple(task.report(
           {name: 1.0 for name in task.metric_names})),
-      learning_rate=lambda: float(tf.convert_to_tensor(
-          optimizer.learning_rate)),
+      learning_rate=lambda step: trainer.recipe.schedule.value(max(step, 1)),
       devices=trainer.devices,
       model=trainer.model,
       probe_batch=(dataset.train_x[:PROBE_BATCH],

@@ -19,7 +19,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from dist_loop import tasks
+from dist_loop import optim, tasks
 from dist_loop.cluster import Cluster
 from dist_loop.config import Config, check_divisible
 from dist_loop.data import Dataset
@@ -43,6 +43,7 @@ class Trainer(abc.ABC):
     model: the `keras.Sequential` holding the master variables; evaluation
       and checkpoints read it.
     optimizer: the optimizer whose slots are checkpointed.
+    recipe: the update's learning rate and clipping (`optim.Recipe`).
     step: int64 `tf.Variable`, the number of steps so far. A step moves it
       by one and applies one update, unless the step is skipped (its
       update was not applied: `train/skipped_steps`). In async and ps it
@@ -135,6 +136,7 @@ class Trainer(abc.ABC):
     self.dataset = dataset
     self.cluster = cluster
     self.task = tasks.for_dataset(dataset)
+    self.recipe = optim.Recipe(config)
     self.examples_per_step = config.global_batch_size * config.grad_accum_steps
 
   @abc.abstractmethod

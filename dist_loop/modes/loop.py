@@ -179,8 +179,9 @@ class LoopTrainer(Trainer):
       rows, bad_step, carry = self._loop(variant)(
           iterator, tf.constant(count, tf.int64))
       part = step_core.LoopSums(self.task.metric_names,
-                                self.mean_keys(variant), np.asarray(rows))
-      totals.add(part, keys=self.task.metric_names + self.reported_means)
+                                self._mean_keys(variant), np.asarray(rows))
+      totals.add(part, keys=(self.task.metric_names + self.reported_means
+                             + self.recipe.mean_keys))
       bad = [s for s in (int(bad_step), part.first_bad)
              if 0 <= s < step_core.NO_STEP]
       if bad:
@@ -221,7 +222,7 @@ class LoopTrainer(Trainer):
 
   def _loop_fn(self, iterator, num_steps, variant):
     self.trace_counts[variant] += 1  # Python side effect: once per trace.
-    keys = tuple(self.task.metric_names) + tuple(self.mean_keys(variant))
+    keys = tuple(self.task.metric_names) + self._mean_keys(variant)
     # A step not applied is skipped, not bad, under a loss scale (an
     # overflow) or --nonfinite=skip (which skips any bad step).
     skip_all = self.config.nonfinite == "skip"
@@ -262,6 +263,10 @@ class LoopTrainer(Trainer):
     _, sums, carry, bad_step = tf.while_loop(more, step, start)
     rows = self._first(self.run_replicas(self._gather, sums, keys))
     return rows, bad_step, carry
+
+  def _mean_keys(self, variant: Variant) -> Tuple[str, ...]:
+    """The mode's mean keys and the recipe's (`clipped_fraction`)."""
+    return tuple(self.mean_keys(variant)) + self.recipe.mean_keys
 
   def _ends_loop(self, applied, loss, skip_all: bool, may_skip: bool):
     """Whether the step just run ends the loop, from values every replica

@@ -72,7 +72,8 @@ class SyncTrainer(Mirrored, LoopTrainer, Reporting):
         self.model = models.build_for(config, dataset)
       if self.options.shard == "none":
         self.optimizer = optim.make(config.optimizer, config.learning_rate,
-                                    self.model.trainable_variables)
+                                    self.model.trainable_variables,
+                                    config.weight_decay)
       self.loss_scale = precision_lib.make_loss_scale(config.precision)
       self.step = tf.Variable(
           0, dtype=tf.int64, trainable=False, name="step",
@@ -80,7 +81,8 @@ class SyncTrainer(Mirrored, LoopTrainer, Reporting):
     if self.options.shard != "none":
       self.sharding = zero.Sharding(
           self.options.shard, self.strategy, self.model, config.optimizer,
-          config.learning_rate, self.options.allreduce_bucket_mb)
+          config.learning_rate, self.options.allreduce_bucket_mb,
+          config.weight_decay)
       self.optimizer = self.sharding.optimizer
     variables = self.model.trainable_variables
     self.compressor = compression.make(self.options, variables, config.seed)
@@ -134,22 +136,23 @@ class SyncTrainer(Mirrored, LoopTrainer, Reporting):
         contributors=self.contributors, scale=scale, weights=weights)
     grads = [tf.convert_to_tensor(g) for g in grads]  # Embeddings: dense.
     if self.sharding is not None:
-      ok, norm = self.sharding.apply(
+      ok, means = self.sharding.apply(
           grads, lambda g: compressor.reduce(g, {}, self.step)[0],
-          self.loss_scale, scale)
-      return StepResult(shares, ok, {"grad_norm": norm})
+          self.loss_scale, scale, self.recipe, self.step)
+      return StepResult(shares, ok, means)
     # The warm-up's exact sum (`self.exact`) neither reads nor moves it.
     stateful = compressor is self.compressor and bool(self.compression_state)
     state = self.compression_state.read() if stateful else {}
     if stateful and scale is not None:  # Residuals outlive the loss scale.
       grads, scale = [g / scale for g in grads], None
     grads, state = compressor.reduce(grads, state, self.step.read_value())
-    grads, ok = precision_lib.unscale_and_apply(
-        self.optimizer, grads, variables, self.loss_scale, scale)
+    ok, means = precision_lib.unscale_and_apply(
+        self.optimizer, grads, variables, self.loss_scale, scale, self.recipe,
+        self.step)
     if stateful:
       self.compression_state.write(state, ok)
     # `ok` and the norm follow the all-reduce: the same on every replica.
-    return StepResult(shares, ok, {"grad_norm": tf.linalg.global_norm(grads)})
+    return StepResult(shares, ok, means)
 
   def train(self, num_steps: int) -> Dict[str, float]:
     t0, traces = time.perf_counter(), self.trace_count
