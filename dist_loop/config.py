@@ -179,7 +179,8 @@ class Config:
       group=_CLUSTER)
   # The options dataclasses of the chosen mode, model, dataset and
   # learning-rate schedule (a registered component may declare `Options`);
-  # None means no options or their defaults (`dist_loop.configure.validate` fills them in).
+  # None means no options or their defaults (`dist_loop.configure.validate`
+  # fills them in).
   mode_options: Any = None
   model_options: Any = None
   dataset_options: Any = None
@@ -249,6 +250,26 @@ class Config:
         (options_lib.layout_fields(o) for o in self.component_options()), ())
     return [f"--{k}: {old[k]} -> {new[k]}" for k in fields
             if k in old and k in new and old[k] != new[k]]
+
+  def changes(self, previous_flagfile: str) -> List[str]:
+    """`--name: old -> new` for every flag that differs from a previous
+    run's flags.txt (the start banner's "changed since the checkpoint").
+    A run-wide flag the old file lacks (one added since) counts as its
+    default; a component's option only one side has is not compared."""
+    old = parse_flagfile(previous_flagfile)
+    defaults = parse_flagfile(Config(workdir=self.workdir).to_flagfile())
+    out = []
+    for name, value in parse_flagfile(self.to_flagfile()).items():
+      before = old.get(name, defaults.get(name))
+      if name != "workdir" and before is not None and before != value:
+        out.append(f"--{name}: {before} -> {value}")
+    return out
+
+  def optimizer_change(self, previous_flagfile: str) -> Optional[str]:
+    """The optimizer of a previous run's flags.txt, if it is another:
+    its slots do not fit this run's optimizer."""
+    old = parse_flagfile(previous_flagfile).get("optimizer")
+    return old if old not in (None, self.optimizer) else None
 
   def replace(self, **changes) -> "Config":
     return dataclasses.replace(self, **changes)

@@ -36,7 +36,6 @@ import tensorflow as tf
 
 from dist_loop import schedules
 from dist_loop import strategy as strategy_lib
-from dist_loop.errors import UserError
 from dist_loop.registry import Registry
 
 OPTIMIZERS: Registry = Registry("optimizer", "optimizer")
@@ -112,23 +111,6 @@ def make(name: str, learning_rate: float, variables: Sequence[tf.Variable],
         var_list=[v for v, d in zip(variables, decayed) if not d])
   optimizer.build(variables)
   return optimizer
-
-
-def check_change(old: Optional[str], new: str, allowed: bool) -> str:
-  """The resume's verdict on the optimizer flag: '' if unchanged.
-
-  Raises:
-    UserError: `old` and `new` differ and the change is not `allowed`:
-      their slots do not mean the same thing.
-  """
-  if old is None or old == new:
-    return ""
-  if not allowed:
-    raise UserError(
-        f"the checkpoint was trained with --optimizer={old}, and this run "
-        f"asks for --optimizer={new}; rerun with --optimizer={old}, or add "
-        "--allow_config_change to start the new optimizer's slots fresh")
-  return f"--optimizer: {old} -> {new} (its slots start fresh)"
 
 
 class Recipe:

@@ -82,7 +82,8 @@ def _progress(step, options: DecayOptions, train_steps: int, warmup: int):
 def linear(step, options, warmup_steps, train_steps):
   """From 1 down to --lr_final_fraction, linearly, after the warm-up."""
   final = options.lr_final_fraction
-  return 1.0 - (1.0 - final) * _progress(step, options, train_steps, warmup_steps)
+  progress = _progress(step, options, train_steps, warmup_steps)
+  return 1.0 - (1.0 - final) * progress
 
 
 @SCHEDULES.register("cosine")

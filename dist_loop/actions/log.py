@@ -7,12 +7,12 @@ the learning rate of the step logged; memory; and the mode's
 `Reporting.report()`.
 
 `Log` also keeps the train values of summary.json (the last logged value of
-each metric the task reports, and `train_learning_rate`) and the two losses a divergence is judged by
-(`dist_loop/divergence.py`): the last logged loss and the loss of the run's
-first step. For that first loss it ends the run's first inner loop after one
-step: a mean over a longer first window already holds the blow-up of a run
-that is unstable from its first steps (SGD at --learning_rate=1e6 on the
-digits reaches a loss of 1e25 within 10 steps).
+each metric the task reports, and `train_learning_rate`) and the two losses
+a divergence is judged by (`dist_loop/divergence.py`): the last logged loss
+and the loss of the run's first step. For that first loss it ends the run's
+first inner loop after one step: a mean over a longer first window already
+holds the blow-up of a run that is unstable from its first steps (SGD at
+--learning_rate=1e6 on the digits reaches a loss of 1e25 within 10 steps).
 """
 
 import datetime
