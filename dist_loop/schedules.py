@@ -25,7 +25,7 @@ An extension adds a schedule in one file:
 `fn(step, options, warmup_steps, train_steps)` returns the factor on
 `--learning_rate` (`step` a float64 tensor; `options` the instance of
 `fn.Options`, or None), or None for no factor; the warm-up factor
-min(1, step / W) multiplies it (`experiments/extensions/rsqrt_decay.py`).
+min(1, step / W) multiplies it (`experiments/extensions/exp_decay.py`).
 """
 
 import dataclasses

@@ -7,3 +7,4 @@ from experiments.extensions import eager_1f1b  # pylint: disable=unused-import
 from experiments.extensions import exp_staleness  # pylint: disable=unused-import
 from experiments.extensions import single_device  # pylint: disable=unused-import
 from experiments.extensions import randomk  # pylint: disable=unused-import
+from experiments.extensions import exp_decay  # pylint: disable=unused-import
