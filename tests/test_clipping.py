@@ -10,7 +10,8 @@ across its stages), local SGD at H=1 on one replica (clipping per inner
 step) and async with one worker (clipping per push; its step is the applied
 updates, so the schedule gives it the same rates). `train/clipped_fraction`
 is 1 in each. The ps mode clips per push on its workers with the same
-`Recipe.clip` (a multi-process run; not repeated here).
+`Recipe.clip` (a multi-process run; not repeated here); its locked update's
+rate is tested in process.
 """
 
 import numpy as np
@@ -19,7 +20,8 @@ import tensorflow as tf
 
 import dist_loop.modes.local_sgd  # noqa: F401  (registers the mode)
 from conftest import max_diff
-from dist_loop import make_config, optim
+from dist_loop import make_config, optim, staleness
+from dist_loop.modes.ps import stats, update
 from helpers import make_trainer, variables
 
 STEPS = 6
@@ -101,3 +103,26 @@ def test_weight_decay_skips_biases_and_is_decoupled():
   assert optim.make("sgd", 0.1, [kernel]).weight_decay is None
   assert optim.make("adamw", 0.1, [kernel], weight_decay=0.0
                     ).weight_decay is None
+
+
+def test_the_ps_update_applies_the_rate_of_the_step_it_makes():
+  """The ps mode's locked update, in process: the update that takes `step`
+  from s to s + 1 is applied at `rate(s)` (`Recipe.rate`), whatever the
+  optimizer's rate variable holds, and writes that rate into it."""
+  layout = stats.Layout(("loss",))
+  w = tf.Variable([1.0, 2.0])
+  step = tf.Variable(3, dtype=tf.int64)
+  sgd = optim.make("sgd", 123.0, [w])
+  locked = update.LockedUpdate(
+      optimizer=sgd, variables=[w], step=step,
+      stats=tf.Variable(tf.zeros([layout.size], tf.float64)), layout=layout,
+      max_staleness=staleness.NO_BOUND,
+      rate=lambda s: tf.cast(s + 1, tf.float32) / 8.0)
+  offer = tf.function(lambda: locked(
+      [tf.ones(2)], step.read_value(), tf.constant(10, tf.int64),
+      {"loss": tf.constant(1.0), "grad_norm": tf.constant(1.0)},
+      tf.constant(1.0)), autograph=False)
+  assert offer()["applied"] and offer()["applied"]
+  # Steps 4 and 5: 0.5 + 0.625.
+  np.testing.assert_allclose(w.numpy(), [1.0 - 1.125, 2.0 - 1.125])
+  assert float(sgd.learning_rate) == 0.625
