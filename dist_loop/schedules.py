@@ -185,12 +185,6 @@ class Schedule:
     """`rate(step)` on the host, as a Python float."""
     return float(self.rate(tf.constant(step, tf.int64)).numpy())
 
-  def describe(self) -> str:
-    """One phrase for the start banner: 'cosine, 100 warm-up steps'."""
-    warmup = (f", {self.warmup_steps} warm-up steps" if self.warmup_steps
-              else "")
-    return f"{self.name}{warmup}"
-
 
 def make(config) -> Schedule:
   """The schedule a `Config` names (its `lr_schedule`, `schedule_options`,
