@@ -120,7 +120,6 @@ def test_the_rate_is_logged_and_summarised_as_the_schedule_gives_it(
      "must be increasing"),
     (dict(lr_schedule="step", lr_boundaries="a", lr_factors="0.1"),
      "comma-separated numbers"),
-    (dict(warmup_steps=11), "longer than --train_steps=10"),
     (dict(weight_decay=-0.5), "must be >= 0, or -1"),
     (dict(lr_schedule="cosin"), "unknown --lr_schedule='cosin'"),
     (dict(lr_final_fraction=0.1), "--lr_schedule=cosine or "),
