@@ -214,7 +214,6 @@ def _update(strategy, optimizer, grads, variables, ok, lr_scale=None,
   """Cross-replica half of `apply_reduced`: one update per device copy.
   Decoupled weight decay (AdamW) comes first, as in Keras's `apply`."""
   wd = getattr(optimizer, "weight_decay", None)
-  rate_variable = _tf_variable(optimizer._learning_rate)  # pylint: disable=protected-access
 
   def update_for(var):
     decay = wd is not None and optimizer._use_weight_decay(var)  # pylint: disable=protected-access
@@ -257,6 +256,7 @@ def _update(strategy, optimizer, grads, variables, ok, lr_scale=None,
       lambda it, apply: it.assign_add(tf.cast(apply, it.dtype)).read_value(),
       args=(ok,), group=False)])
   if rate:  # What a checkpoint shows; never read back (module docstring).
+    rate_variable = _tf_variable(optimizer._learning_rate)  # pylint: disable=protected-access
     done += _local_results(strategy, [strategy.extended.update(
         rate_variable, lambda v, r: v.assign(r).read_value(), args=rate,
         group=False)])
