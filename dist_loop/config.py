@@ -261,7 +261,8 @@ class Config:
     out = []
     for name, value in parse_flagfile(self.to_flagfile()).items():
       before = old.get(name, defaults.get(name))
-      if name != "workdir" and before is not None and before != value:
+      if (name not in ("workdir", "allow_config_change")
+          and before is not None and before != value):
         out.append(f"--{name}: {before} -> {value}")
     return out
 

@@ -111,3 +111,21 @@ def test_a_changed_optimizer_is_refused_unless_allowed_then_starts_fresh(
           in caplog.text)
   # Momentum's slots and counter started at step 4: 4 updates, not 8.
   assert tf.train.load_variable(_latest(config), _ITERATIONS) == 4
+
+
+def test_the_changes_line_compares_a_flags_txt_from_before_the_recipe():
+  """A flags.txt written before the recipe flags existed: a flag it lacks
+  counts as its default (then constant), so only real changes are named."""
+  from dist_loop import make_config  # pylint: disable=g-import-not-at-top
+  old = make_config(workdir="w", learning_rate=0.01)
+  text = "".join(line + "\n" for line in old.to_flagfile().splitlines()
+                 if not line.startswith(("--lr_schedule", "--warmup_steps",
+                                         "--clip_global_norm",
+                                         "--weight_decay")))
+  new = make_config(workdir="w", learning_rate=0.01, lr_schedule="cosine",
+                    lr_final_fraction=0.1, clip_global_norm=1.0,
+                    allow_config_change=True)
+  assert new.changes(text) == ["--lr_schedule: constant -> cosine",
+                               "--clip_global_norm: 0.0 -> 1.0"]
+  assert old.changes(text) == [] and old.optimizer_change(text) is None
+  assert new.replace(optimizer="sgd").optimizer_change(text) == "adam"
