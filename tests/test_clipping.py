@@ -3,8 +3,8 @@
 The full recipe (AdamW with `--weight_decay`, warm-up and cosine decay, and
 a `--clip_global_norm` small enough that clipping acts on every step) on
 one device is the reference, and each mode must reach the same variables
-and report the same unclipped `train/grad_norm`: sync on two devices (the
-norm after the all-reduce), each `--shard` stage (the norm from the
+and report the same unclipped `train/grad_norm`: sync on two devices with
+two accumulated micro-batches each (the norm after the all-reduce), each `--shard` stage (the norm from the
 shards' squared norms, one more scalar all-reduce), the pipeline (the norm
 across its stages), local SGD at H=1 on one replica (clipping per inner
 step) and async with one worker (clipping per push; its step is the applied
@@ -32,7 +32,9 @@ RECIPE = dict(dataset="synthetic", model="mlp", global_batch_size=32,
               lr_schedule="cosine", warmup_steps=2, lr_final_fraction=0.1,
               clip_global_norm=CLIP)
 MODES = {
-    "sync_2": dict(num_devices=2),
+    # 2 replicas x 2 accumulated micro-batches of 8: the same 32 examples.
+    "sync_2_accum": dict(num_devices=2, grad_accum_steps=2,
+                         global_batch_size=16),
     "optimizer": dict(num_devices=2, shard="optimizer"),
     "gradients": dict(num_devices=2, shard="gradients"),
     "weights": dict(num_devices=2, shard="weights"),
