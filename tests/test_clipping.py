@@ -18,10 +18,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import dist_loop.modes.local_sgd  # noqa: F401  (registers the mode)
+import dist_loop.parallel.modes.local_sgd  # noqa: F401  (registers the mode)
 from conftest import max_diff
-from dist_loop import make_config, optim, staleness
-from dist_loop.modes.ps import stats, update
+from dist_loop import make_config
+from dist_loop.parallel import staleness
+from dist_loop.parallel.modes.ps import stats, update
+from dist_loop.training import optim
 from helpers import make_trainer, variables
 
 STEPS = 6

@@ -6,13 +6,13 @@ import dataclasses
 import pytest
 
 from dist_loop import configure
-from dist_loop import options as options_lib
-from dist_loop.cluster import Cluster
-from dist_loop.config import (COMPONENT_FIELDS, Config, check_divisible,
+from dist_loop.core import options as options_lib
+from dist_loop.runtime.cluster import Cluster
+from dist_loop.core.config import (COMPONENT_FIELDS, Config, check_divisible,
                               parse_flagfile)
-from dist_loop.errors import UserError
-from dist_loop.modes.pipeline.options import PipelineOptions
-from dist_loop.modes.sync.options import SyncOptions
+from dist_loop.core.errors import UserError
+from dist_loop.parallel.modes.pipeline.options import PipelineOptions
+from dist_loop.parallel.modes.sync.options import SyncOptions
 
 ONE_PROCESS = Cluster()
 TWO_WORKERS = Cluster({"worker": ["a:1", "b:2"]}, "worker", 0)

@@ -18,8 +18,8 @@ import tensorflow as tf
 
 from conftest import checkpoint_variables, max_diff
 from dist_loop import train
-from dist_loop.errors import NonFiniteError, UserError
-from dist_loop.modes.sync import SyncTrainer
+from dist_loop.core.errors import NonFiniteError, UserError
+from dist_loop.parallel.modes.sync import SyncTrainer
 
 LR = 0.01
 RUN = dict(num_devices=2, shard="gradients", optimizer="adam",

@@ -16,10 +16,11 @@ import pytest
 import tensorflow as tf
 
 from conftest import read_events
-from dist_loop import configure, make_config, schedules, train
-from dist_loop.cluster import Cluster
-from dist_loop.errors import UserError
-from dist_loop.schedules import DecayOptions, Schedule, StepOptions
+from dist_loop import configure, make_config, train
+from dist_loop.core.errors import UserError
+from dist_loop.runtime.cluster import Cluster
+from dist_loop.training import schedules
+from dist_loop.training.schedules import DecayOptions, Schedule, StepOptions
 from experiments import flags as run_flags
 
 
@@ -71,8 +72,8 @@ def test_an_extension_schedule_is_one_file(tmp_path):
   path = tmp_path / "my_schedule.py"
   path.write_text(
       "import dataclasses\n"
-      "from dist_loop.options import option\n"
-      "from dist_loop.schedules import SCHEDULES\n\n"
+      "from dist_loop.core.options import option\n"
+      "from dist_loop.training.schedules import SCHEDULES\n\n"
       "@dataclasses.dataclass(frozen=True)\n"
       "class Options:\n"
       "  my_floor: float = option(0.25, 'The factor.', lower=0.0)\n\n"

@@ -12,8 +12,8 @@ import dataclasses
 
 import tensorflow as tf
 
-from dist_loop.options import option
-from dist_loop.schedules import SCHEDULES
+from dist_loop.core.options import option
+from dist_loop.training.schedules import SCHEDULES
 
 
 @dataclasses.dataclass(frozen=True)
