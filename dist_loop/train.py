@@ -140,7 +140,8 @@ def _train(config, trainer, dataset, cluster, flags_text):
                      [recovery.summary], previous)
     run_actions = actions.standard(config, inputs)
     stop = preemption.Sigterm(
-        config.grace_period_s, preemption.Agreement.for_run(trainer, cluster))
+        config.grace_period_s,
+        preemption.Agreement.for_run(trainer.scope, cluster))
     step = Controller(trainer, run_actions, train_steps=config.train_steps,
                       steps_per_loop=config.steps_per_loop,
                       recovery=recovery, stop=stop).run()

@@ -22,6 +22,7 @@ from dist_loop.runtime.cluster import Cluster
 from dist_loop.training import schedules
 from dist_loop.training.schedules import DecayOptions, Schedule, StepOptions
 from experiments import flags as run_flags
+from experiments.extensions import exp_decay  # noqa: F401  (registers it)
 
 
 def _rates(schedule, steps):

@@ -24,7 +24,8 @@ from typing import Dict, List
 
 from absl import app, flags
 
-from dist_loop.runtime import console, process_exit
+from dist_loop.runtime import console
+from experiments import startup
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("plot", "compare.png", "Where the PNG plot goes ('' for "
@@ -170,8 +171,7 @@ def main(argv):
   workdirs = argv[1:]
   if not workdirs:
     raise app.UsageError("give one or more run workdirs")
-  process_exit.skip_final_gc()
-  console.start(verbosity())  # Imports TensorFlow, quietly.
+  startup.start(verbosity())  # Imports TensorFlow, quietly.
   console.setup(verbosity())
   try:
     runs = [load_run(w) for w in workdirs]

@@ -4,8 +4,9 @@ Exponential decay with a half-life: the rate halves every
 `--lr_half_life` steps after the warm-up. The schedule is a function of the
 step, so it gives the same rate at the same step in every mode and after a
 resume; its option becomes a flag because it is a field of `Options`, and
-`--lr_schedule` takes its choices from the registry. Select it with
-`--lr_schedule=exp_decay --lr_half_life=500`.
+`--lr_schedule` takes its choices from the registry. Load and select it
+with `--user_modules=experiments.extensions.exp_decay
+--lr_schedule=exp_decay --lr_half_life=500`.
 """
 
 import dataclasses

@@ -109,7 +109,6 @@ class LocalSGDTrainer(Mirrored, LoopTrainer, Reporting):
     self.bytes_per_sync = outer.bytes_per_sync(self.model)
     self.float32_bytes_per_step = compression.wire.float32_bytes_per_step(
         self.model.trainable_variables)
-    self._on_master_fns = {}
 
   def checkpoint_items(self):
     return {"step": self.step, "model": self.model,
@@ -117,21 +116,11 @@ class LocalSGDTrainer(Mirrored, LoopTrainer, Reporting):
             "outer_optimizer": self.outer_optimizer,
             "replicas": self.replica_state}
 
-  def scope(self):
-    return self.strategy.scope()
-
-  def on_master(self, fn, *args):
-    return strategy_lib.on_first_replica(self.strategy, self._on_master_fns,
-                                         fn, *args)
-
-  def before_train(self):
+  def loop_begin(self, start, num_steps):
     self.replica_state.apply()  # After a restore: each replica's own state.
+    return super().loop_begin(start, num_steps)
 
   # -- the replica's inner step, and the synchronisation --
-
-  def mean_keys(self, variant):
-    del variant
-    return (REPLICA_GRAD_NORM,)
 
   def replica_step(self, batch, variant):
     """One step of the replica's own weights on its own batch."""
