@@ -1,14 +1,15 @@
 """Building a valid `Config`: the checks that need the registries.
 
 `Config` (config.py) is the lowest layer and knows no registry; this module
-sits above the registries of modes, models, datasets and optimizers and
-checks names against them, then asks the chosen mode for its own rules.
+sits above the registries of modes, models, datasets, schedules and
+optimizers and checks names against them, then asks the chosen mode for its
+own rules.
 The flag layer and `run` both call `validate`, so a bad combination fails at
 parse time, before any work.
 
-A registered mode, model or dataset may declare `Options`, a dataclass of
-`option(...)` fields (`dist_loop/core/options.py`): its flags. `COMPONENTS` says
-which registry fills which `Config` field.
+A registered mode, model, dataset or schedule may declare `Options`, a
+dataclass of `option(...)` fields (`dist_loop/core/options.py`): its flags.
+`COMPONENTS` says which registry fills which `Config` field.
 """
 
 import dataclasses
@@ -23,13 +24,14 @@ from dist_loop.core.registry import Registry
 from dist_loop.parallel import modes
 from dist_loop.runtime import cluster as cluster_lib
 from dist_loop.runtime import devices
-from dist_loop.training import optim
+from dist_loop.training import optim, schedules
 
 # (selector field, registry, Config field of its options)
 COMPONENTS: Tuple[Tuple[str, Registry, str], ...] = (
     ("mode", modes.MODES, "mode_options"),
     ("model", models.MODELS, "model_options"),
     ("dataset", data.DATASETS, "dataset_options"),
+    ("lr_schedule", schedules.SCHEDULES, "schedule_options"),
 )
 
 _RUN_FIELDS = tuple(f.name for f in dataclasses.fields(Config)
@@ -79,7 +81,8 @@ def make_config(**fields: Any) -> Config:
         raise UserError(f"--{name} is an option of {' or '.join(who[name])}, "
                         "which this run does not use; drop it")
     raise UserError(f"unknown setting {unknown[0]!r}: not a field of Config, "
-                    "nor an option of the chosen mode, model or dataset")
+                    "nor an option of the chosen mode, model, dataset or "
+                    "schedule")
   return Config(**{k: v for k, v in fields.items() if k in _RUN_FIELDS},
                 **chosen)
 
@@ -116,6 +119,7 @@ def validate(config: Config, cluster: cluster_lib.Cluster) -> Config:
   config.validate()
   devices.check_thread_variables(os.environ)
   check_fit(config.model, config.dataset)
+  schedules.check(config)
   if cluster.num_tasks > 1 and not trainer_class.multi_process:
     raise UserError(f"--mode={config.mode} runs in one process, but "
                     "TF_CONFIG describes a cluster; unset TF_CONFIG, or use "

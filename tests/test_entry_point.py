@@ -199,7 +199,7 @@ def test_every_other_flagfile_parses_and_builds_its_trainer(
   assert not (tmp_path / "run").exists()
 
 
-COMPONENT_FIELDS = ("mode_options", "model_options", "dataset_options")
+COMPONENT_FIELDS = dist_loop.core.config.COMPONENT_FIELDS
 FLAG_TYPES = {bool: "bool", int: "int", float: "float", str: "string"}
 
 

@@ -23,7 +23,8 @@ from dist_loop.core.options import REQUIRED, option
 DEVICE_TYPES = ("auto", "cpu", "gpu")
 PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
 NONFINITE_POLICIES = ("raise", "skip", "rollback")
-COMPONENT_FIELDS = ("mode_options", "model_options", "dataset_options")
+COMPONENT_FIELDS = ("mode_options", "model_options", "dataset_options",
+                    "schedule_options")
 
 # Upper bounds. Above each, a value is a typo that would crash the process
 # (or exhaust its memory) instead of failing with a message.
@@ -85,8 +86,26 @@ class Config:
   train_steps: int = option(1000, "Steps to train.", lower=1,
                             upper=MAX_STEPS, group=_RUN)
   optimizer: str = option("adam", "Registered optimizer.", group=_OPTIMIZER)
-  learning_rate: float = option(1e-3, "Learning rate.", above=0.0,
-                                group=_OPTIMIZER)
+  learning_rate: float = option(
+      1e-3, "Learning rate: the peak of --lr_schedule.", above=0.0,
+      group=_OPTIMIZER)
+  lr_schedule: str = option(
+      "constant", "Registered learning-rate schedule, a function of the "
+      "step (dist_loop/training/schedules.py).", group=_OPTIMIZER)
+  warmup_steps: int = option(
+      0, "Linear warm-up: step s of the first W gets s/W of the rate "
+      "(0: none).", lower=0, upper=MAX_STEPS, group=_OPTIMIZER)
+  clip_global_norm: float = option(
+      0.0, "Scale the reduced gradient of each update down to this global "
+      "norm if it is above (0: no clipping). train/grad_norm stays the "
+      "norm before clipping; train/clipped_fraction: how often it acted.",
+      lower=0.0, group=_OPTIMIZER)
+  weight_decay: float = option(
+      -1.0, "Decoupled weight decay (as AdamW): w -= lr * weight_decay * w "
+      "each update, on every variable of rank >= 2 (biases and "
+      "normalisation parameters excluded). -1: the optimizer's own (adamw: "
+      "0.004 on every variable; the others: none).", lower=-1.0,
+      group=_OPTIMIZER)
   seed: int = option(0, "Seed of initialisation and data order.", lower=0,
                      upper=MAX_SEED, group=_RUN)
   deterministic: bool = option(
@@ -161,12 +180,14 @@ class Config:
       300.0, "Multi-process runs: joining the cluster fails if a peer task "
       "has not come up after this long.", lower=0.001, upper=MAX_TIMEOUT_S,
       group=_CLUSTER)
-  # The options dataclasses of the chosen mode, model and dataset (a
-  # registered component may declare `Options`); None means no options or
-  # their defaults (`dist_loop.configure.validate` fills them in).
+  # The options dataclasses of the chosen mode, model, dataset and
+  # learning-rate schedule (a registered component may declare `Options`);
+  # None means no options or their defaults (`dist_loop.configure.validate`
+  # fills them in).
   mode_options: Any = None
   model_options: Any = None
   dataset_options: Any = None
+  schedule_options: Any = None
 
   def validate(self) -> "Config":
     """Checks the run-wide rules: each field's declared bounds and choices,
@@ -181,6 +202,9 @@ class Config:
       raise UserError(f"--diverged_loss_ratio={self.diverged_loss_ratio:g} "
                       "would call a run whose loss did not rise diverged; use "
                       "a ratio above 1 (the default is 10), or 0 for never")
+    if -1.0 < self.weight_decay < 0.0:
+      raise UserError(f"--weight_decay={self.weight_decay} must be >= 0, or "
+                      "-1 for the optimizer's own")
     for options in self.component_options():
       options_lib.check(options)
     return self
@@ -198,7 +222,8 @@ class Config:
           "fewer")
 
   def component_options(self) -> Tuple[Any, ...]:
-    return (self.mode_options, self.model_options, self.dataset_options)
+    return (self.mode_options, self.model_options, self.dataset_options,
+            self.schedule_options)
 
   @property
   def profile_range(self) -> Optional[Tuple[int, int]]:
@@ -246,11 +271,32 @@ class Config:
     return [f"--{k}: {old[k]} -> {new[k]}" for k in fields
             if k in old and k in new and old[k] != new[k]]
 
+  def changes(self, previous_flagfile: str) -> List[str]:
+    """`--name: old -> new` for every flag that differs from a previous
+    run's flags.txt (the start banner's "changed since the checkpoint").
+    A run-wide flag the old file lacks (one added since) counts as its
+    default; a component's option only one side has is not compared."""
+    old = parse_flagfile(previous_flagfile)
+    defaults = parse_flagfile(Config(workdir=self.workdir).to_flagfile())
+    out = []
+    for name, value in parse_flagfile(self.to_flagfile()).items():
+      before = old.get(name, defaults.get(name))
+      if (name not in ("workdir", "allow_config_change")
+          and before is not None and before != value):
+        out.append(f"--{name}: {before} -> {value}")
+    return out
+
+  def optimizer_change(self, previous_flagfile: str) -> Optional[str]:
+    """The optimizer of a previous run's flags.txt, if it is another:
+    its slots do not fit this run's optimizer."""
+    old = parse_flagfile(previous_flagfile).get("optimizer")
+    return old if old not in (None, self.optimizer) else None
+
   def replace(self, **changes) -> "Config":
     return dataclasses.replace(self, **changes)
 
   def replace_options(self, **changes) -> "Config":
-    """A copy with some mode, model or dataset options changed."""
+    """A copy with some mode, model, dataset or schedule options changed."""
     new = {}
     for field in COMPONENT_FIELDS:
       options = getattr(self, field)

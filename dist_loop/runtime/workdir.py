@@ -10,7 +10,7 @@ their names in `dist_loop/runtime/checkpoint_names.py`.
 as it was:
 
 1. `check`, read-only: the workdir can be used, flags.txt is a readable
-   flagfile with the same layout flags, and no part of the run
+   flagfile with the same layout flags and optimizer, and no part of the run
    (checkpoints/, flags.txt, summary.json, tb/) is of the wrong kind. It runs
    before TensorFlow joins a cluster, and again under the lock.
 2. `Lock` (creates the workdir if needed, and removes it again if the run
@@ -24,7 +24,7 @@ TensorFlow, so a tool can take or test the lock cheaply.
 """
 
 import os
-from typing import Sequence
+from typing import Optional, Sequence
 
 from dist_loop.core.config import Config
 from dist_loop.core.errors import UserError
@@ -157,12 +157,31 @@ def _not_a_flagfile(path: str, why: str) -> UserError:
                    "rewrite it")
 
 
+def previous_flags(config: Config) -> Optional[str]:
+  """The flags.txt a previous run left, or None (none, or not a flagfile:
+  `check` refuses that unless --allow_config_change)."""
+  path = os.path.join(config.workdir, FLAGS_FILE)
+  try:
+    return read_flags(path) if os.path.isfile(path) else None
+  except UserError:
+    return None
+
+
 def _check_flags(config: Config) -> None:
-  """flags.txt is a flagfile with the same layout flags as `config`."""
+  """flags.txt is a flagfile with the same layout flags and optimizer as
+  `config`."""
   path = os.path.join(config.workdir, FLAGS_FILE)
   if config.allow_config_change or not os.path.exists(path):
     return
-  changes = config.layout_changes(read_flags(path))
+  previous = read_flags(path)
+  old = config.optimizer_change(previous)
+  if old is not None:
+    raise UserError(
+        f"{config.workdir} was trained with --optimizer={old}, and this run "
+        f"asks for --optimizer={config.optimizer}; rerun with --optimizer="
+        f"{old}, or pass --allow_config_change to start {config.optimizer}'s "
+        "slots fresh")
+  changes = config.layout_changes(previous)
   if changes:
     raise UserError(
         f"{config.workdir} holds a run with other settings "

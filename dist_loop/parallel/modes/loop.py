@@ -188,12 +188,12 @@ class LoopTrainer(Trainer):
     segments = self.loop_begin(int(self.step.numpy()), num_steps)
     iterator = self._input()
     totals = step_core.LoopSums()
-    keys = self.task.metric_names + tuple(self.reported_means)
+    keys = self.task.metric_names + self._mean_keys()
     applied: Dict[Variant, int] = {}
     for count, variant in segments:
       rows, bad_step = self._loop(variant)(iterator,
                                            tf.constant(count, tf.int64))
-      part = step_core.LoopSums(self.task.metric_names, self.reported_means,
+      part = step_core.LoopSums(self.task.metric_names, self._mean_keys(),
                                 np.asarray(rows))
       totals.add(part, keys=keys)
       bad = [s for s in (int(bad_step), part.first_bad)
@@ -236,7 +236,7 @@ class LoopTrainer(Trainer):
 
   def _loop_fn(self, iterator, num_steps, variant):
     self.trace_counts[variant] += 1  # Python side effect: once per trace.
-    keys = tuple(self.task.metric_names) + tuple(self.reported_means)
+    keys = tuple(self.task.metric_names) + self._mean_keys()
     # A step not applied is skipped, not bad, under a loss scale (an
     # overflow) or --nonfinite=skip (which skips any bad step).
     skip_all = self.config.nonfinite == "skip"
@@ -279,6 +279,10 @@ class LoopTrainer(Trainer):
     _, sums, bad_step = tf.while_loop(more, step, start)
     rows = self._first(self.run_replicas(self._gather, sums, keys))
     return rows, bad_step
+
+  def _mean_keys(self) -> Tuple[str, ...]:
+    """The mode's mean keys and the recipe's (`clipped_fraction`)."""
+    return tuple(self.reported_means) + self.recipe.mean_keys
 
   def _ends_loop(self, applied, loss, skip_all: bool, may_skip: bool):
     """Whether the step just run ends the loop, from values every replica

@@ -74,7 +74,8 @@ class AsyncTrainer(Trainer, Reporting):
     with tf.device(self.master_device):
       self.model = models.build_for(config, dataset)
       self.optimizer = optim.make(config.optimizer, config.learning_rate,
-                                  self.model.trainable_variables)
+                                  self.model.trainable_variables,
+                                  config.weight_decay)
       self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
       self.loss_scale = precision_lib.make_loss_scale(config.precision)
     if self.model.non_trainable_variables:
@@ -92,7 +93,7 @@ class AsyncTrainer(Trainer, Reporting):
         compensation=user_code.convert(  # An extension's: AutoGraph.
             policies.COMPENSATIONS.get(options.async_compensation)),
         dc_lambda=options.dc_lambda, loss_scale=self.loss_scale,
-        max_loss=config.max_loss)
+        max_loss=config.max_loss, recipe=self.recipe)
     self.workers = self._make_workers(config, devices, dataset)
     self.straggler = straggler_lib.parse(options.straggler)
     self._session: Optional[Session] = None

@@ -93,7 +93,8 @@ class LocalSGDTrainer(Mirrored, LoopTrainer, Reporting):
       self.model = models.build_for(config, dataset)
       self.replica_model = models.build_for(config, dataset)
       self.optimizer = optim.make(config.optimizer, config.learning_rate,
-                                  self.replica_model.trainable_variables)
+                                  self.replica_model.trainable_variables,
+                                  config.weight_decay)
       self.outer_optimizer = outer.make(self.options,
                                         self.model.trainable_variables)
       agg = tf.VariableAggregation.ONLY_FIRST_REPLICA
@@ -131,13 +132,16 @@ class LocalSGDTrainer(Mirrored, LoopTrainer, Reporting):
         examples_per_update=self.examples_per_replica, contributors=chunks)
     ok = tf.logical_and(optim.all_finite(grads),
                         tf.math.is_finite(shares["loss"]))
+    # Clipping acts per inner step, on the replica's own gradient.
+    norm = tf.linalg.global_norm(grads)
+    grads, means = self.recipe.clip(grads, norm)
     optim.apply_reduced(self.optimizer, grads,
                         self.replica_model.trainable_variables, ok,
-                        per_replica_ok=True)
+                        per_replica_ok=True,
+                        learning_rate=self.recipe.rate(self.step))
     # The replica's batch is 1/R of the step's: its share of the step's mean.
     shares = {k: v / self.replica_count for k, v in shares.items()}
-    return StepResult(shares, ok,
-                      {REPLICA_GRAD_NORM: tf.linalg.global_norm(grads)})
+    return StepResult(shares, ok, {REPLICA_GRAD_NORM: norm, **means})
 
   def after_step(self):
     tf.cond(self.step % self.options.sync_every == 0,

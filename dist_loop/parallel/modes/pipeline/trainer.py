@@ -98,7 +98,8 @@ class PipelineTrainer(LoopTrainer, Reporting):
       raise AssertionError("chunk variables are not in the model's order")
     with tf.device(devices[0]):
       self.optimizer = optim.make(config.optimizer, config.learning_rate,
-                                  self.model.trainable_variables)
+                                  self.model.trainable_variables,
+                                  config.weight_decay)
       self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
       self.loss_scale = precision_lib.make_loss_scale(config.precision)
     self.timing = self.options.pipeline_timing
@@ -157,10 +158,10 @@ class PipelineTrainer(LoopTrainer, Reporting):
     scale = (None if self.loss_scale is None
              else self.loss_scale.scale.read_value())  # One for all chunks.
     out = self.executor.step(x, y, scale, timed)
-    grads, ok = precision_lib.unscale_and_apply(
+    # The norm spans every stage: the gradients of all chunks.
+    ok, means = precision_lib.unscale_and_apply(
         self.optimizer, out["grads"], self.executor.variables,
-        self.loss_scale, scale)
-    means = {"grad_norm": tf.linalg.global_norm(grads)}
+        self.loss_scale, scale, self.recipe, self.step)
     if timed:
       for stamps, value in zip(self._stamps, (out["starts"], out["ends"])):
         stamps.assign(value)

@@ -43,8 +43,9 @@ class Replicated:
     loss_scale: the run's `DynamicLossScale`, or None.
   """
 
-  def __init__(self, options, config, strategy, model, loss_scale):
+  def __init__(self, options, config, strategy, model, loss_scale, recipe):
     self.strategy, self.model, self.loss_scale = strategy, model, loss_scale
+    self.recipe = recipe
     self.steps_per_loop = config.steps_per_loop
     variables = model.trainable_variables
     self.optimizer = self._make_optimizer(config)
@@ -62,7 +63,7 @@ class Replicated:
   def _make_optimizer(self, config):
     with self.strategy.scope():
       return optim.make(config.optimizer, config.learning_rate,
-                        self.model.trainable_variables)
+                        self.model.trainable_variables, config.weight_decay)
 
   # -- around an inner loop --
 
@@ -88,20 +89,22 @@ class Replicated:
 
   def apply(self, grads, scale, step, exact: bool):
     """Reduces this replica's `grads` (of the loss times `scale`) and
-    applies them. Returns (ok, the norm of the reduced gradient)."""
+    applies them with the recipe's rate and clipping. Returns (ok, the
+    step's means: `grad_norm` of the reduced gradient, before clipping, and
+    the recipe's)."""
     compressor = self.exact if exact else self.compressor
     stateful = not exact and bool(self.compression_state)
     state = self.compression_state.read() if stateful else {}
     if stateful and scale is not None:  # Residuals outlive the loss scale.
       grads, scale = [g / scale for g in grads], None
     grads, state = compressor.reduce(grads, state, step.read_value())
-    grads, ok = precision_lib.unscale_and_apply(
+    ok, means = precision_lib.unscale_and_apply(
         self.optimizer, grads, self.model.trainable_variables,
-        self.loss_scale, scale)
+        self.loss_scale, scale, self.recipe, step)
     if stateful:
       self.compression_state.write(state, ok)
     # `ok` and the norm follow the all-reduce: the same on every replica.
-    return ok, tf.linalg.global_norm(grads)
+    return ok, means
 
   # -- bytes and memory --
 
@@ -130,11 +133,12 @@ class Replicated:
 class Sharded(Replicated):
   """`--shard=optimizer|gradients|weights`: ZeRO stages 1-3."""
 
-  def __init__(self, options, config, strategy, model, loss_scale):
+  def __init__(self, options, config, strategy, model, loss_scale, recipe):
     self.sharding = zero.Sharding(
         options.shard, strategy, model, config.optimizer,
-        config.learning_rate, options.allreduce_bucket_mb)
-    super().__init__(options, config, strategy, model, loss_scale)
+        config.learning_rate, options.allreduce_bucket_mb,
+        config.weight_decay)
+    super().__init__(options, config, strategy, model, loss_scale, recipe)
 
   @staticmethod
   def host_model(options) -> bool:
@@ -167,7 +171,7 @@ class Sharded(Replicated):
     compressor = self.exact if exact else self.compressor
     return self.sharding.apply(
         grads, lambda g: compressor.reduce(g, {}, step)[0], self.loss_scale,
-        scale)
+        scale, self.recipe, step)
 
   def wire(self, step: int) -> collectives.WireBytes:
     return accounting.wire(

@@ -70,7 +70,7 @@ class SyncTrainer(Mirrored, LoopTrainer, Reporting):
           0, dtype=tf.int64, trainable=False, name="step",
           aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
     self.reduction = kind(self.options, config, self.strategy, self.model,
-                          self.loss_scale)
+                          self.loss_scale, self.recipe)
     self.optimizer = self.reduction.optimizer
     self.float32_bytes = compression.wire.float32_bytes_per_step(
         self.model.trainable_variables)
@@ -103,9 +103,9 @@ class SyncTrainer(Mirrored, LoopTrainer, Reporting):
         contributors=self.contributors, scale=scale,
         weights=self.reduction.weights())
     grads = [tf.convert_to_tensor(g) for g in grads]  # Embeddings: dense.
-    ok, norm = self.reduction.apply(grads, scale, self.step,
-                                    exact=variant == _EXACT)
-    return StepResult(shares, ok, {"grad_norm": norm})
+    ok, means = self.reduction.apply(grads, scale, self.step,
+                                     exact=variant == _EXACT)
+    return StepResult(shares, ok, means)
 
   def loop_end(self, end):
     self.reduction.loop_end()
