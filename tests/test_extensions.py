@@ -121,22 +121,19 @@ def _parse(*argv):
   return run_flags.to_config()
 
 
-def test_single_device_flag_is_accepted_for_its_mode_only():
+def test_single_device_jit_compile_is_the_run_wide_flag():
+  """Its old `--jit_compile` (once its own option) keeps working: it is
+  the run-wide flag now, which every mode reads."""
   with flagsaver.flagsaver():
     config = _parse("--mode=single_device", "--jit_compile")
-    assert config.mode_options == single_device.SingleDeviceOptions(
-        jit_compile=True)
+    assert config.jit_compile is True
     assert "--jit_compile\n" in run_flags.to_flagfile()
   with flagsaver.flagsaver():
-    assert _parse("--mode=single_device").mode_options.jit_compile is False
+    assert _parse("--mode=single_device").jit_compile is False
   with flagsaver.flagsaver():
-    with pytest.raises(flags.IllegalFlagValueError,
-                       match="--jit_compile is an option of "
-                       "--mode=single_device, which this run does not use; "
-                       "drop it"):
-      _parse("--mode=sync", "--jit_compile")
-  with pytest.raises(UserError, match="--jit_compile is an option of "):
-    make_config(workdir="w", mode="sync", jit_compile=True)
+    assert _parse("--mode=sync", "--jit_compile").jit_compile is True
+  assert make_config(workdir="w", mode="single_device",
+                     jit_compile=True).jit_compile is True
 
 
 def test_single_device_refuses_several_devices():

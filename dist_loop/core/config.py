@@ -126,6 +126,10 @@ class Config:
   profile_steps: str = option(
       "", "FIRST,LAST: write a TF profiler trace of these steps to "
       "TensorBoard's Profile tab.", group=_LOOP)
+  jit_compile: bool = option(
+      False, "Compile each replica's forward, backward and local math with "
+      "XLA, in every mode whose step is traced; the collectives stay "
+      "outside the compiled region (docs/modes.md#xla).", group=_PRECISION)
   precision: str = option(
       "float32", "Compute dtype policy; master weights stay float32. "
       "mixed_float16 adds dynamic loss scaling.", choices=PRECISIONS,

@@ -92,7 +92,8 @@ def gradients(task: Task, model, x, y, *, examples_per_update: int,
 def accumulated_gradients(task: Task, model, x, y, *, chunks: int,
                           examples_per_update: int, contributors: int = 1,
                           scale: Optional[tf.Tensor] = None,
-                          weights: Optional[Sequence[tf.Tensor]] = None):
+                          weights: Optional[Sequence[tf.Tensor]] = None,
+                          jit_compile: bool = False):
   """`gradients` of `chunks` equal micro-batches of (x, y), summed.
 
   The micro-batches run one after the other, so only one micro-batch of
@@ -101,7 +102,15 @@ def accumulated_gradients(task: Task, model, x, y, *, chunks: int,
   The last micro-batch runs after
   the loop over the others, so each of its gradients is summed (and can
   start its all-reduce) as soon as the backward pass reaches it.
+  `jit_compile`: all of it is one XLA computation (`xla`).
   """
+  if jit_compile:
+    def core(x, y, scale, weights):
+      return accumulated_gradients(
+          task, model, x, y, chunks=chunks,
+          examples_per_update=examples_per_update,
+          contributors=contributors, scale=scale, weights=weights)
+    return xla(core, x, y, scale, weights)
   kwargs = dict(examples_per_update=examples_per_update,
                 contributors=contributors, scale=scale, weights=weights)
   if chunks == 1:
@@ -121,6 +130,21 @@ def accumulated_gradients(task: Task, model, x, y, *, chunks: int,
   o, g = gradients(task, model, xs[chunks - 1], ys[chunks - 1], **kwargs)
   return ({k: out[k] + o[k] for k in out},
           [a + b for a, b in zip(grads, g)])
+
+
+def xla(fn, *args):
+  """`fn(*args)` compiled with XLA, as one function call in the caller's
+  trace (`--jit_compile`).
+
+  The function is made anew at each call, so each replica of a strategy
+  traces its own, on its own copies of the variables. It must not
+  communicate: a function nested in a replica's step cannot `merge_call`,
+  and on CPU XLA has no collectives; so a mode compiles a replica's
+  forward, backward and local math with this, and reduces and applies
+  outside it (docs/modes.md#xla). Tensors reach `fn` as arguments (a
+  Python value, such as None, as itself).
+  """
+  return tf.function(fn, jit_compile=True, autograph=False)(*args)
 
 
 def above_bound(loss: tf.Tensor, max_loss: float):

@@ -7,41 +7,27 @@ is taken away is what every other mode adds to: the update is the whole
 batch's gradients applied with `optim.apply_reduced`, so it equals
 `--mode=sync --num_devices=1`.
 
-Its flag, `--jit_compile`, compiles the step (forward, backward, update)
-with XLA. It is declared once, in `SingleDeviceOptions` below: the flag
-layer generates the flag from it, `Config.mode_options` carries it here, and
-a run of another mode that passes it is refused. Neither
-`dist_loop/core/config.py` nor `experiments/flags.py` knows this mode. See
-`single_device.flags`.
+With the run-wide `--jit_compile`, its whole update (forward, backward and
+the optimizer's update) is one XLA computation: without a strategy there
+is no collective to keep outside it, as every other mode must
+(docs/modes.md#xla). Neither `dist_loop/core/config.py` nor
+`experiments/flags.py` knows this mode. See `single_device.flags`.
 """
-
-import dataclasses
 
 import tensorflow as tf
 
 from dist_loop import models
 from dist_loop.core.errors import UserError
-from dist_loop.core.options import option
 from dist_loop.parallel.modes import MODES, LoopTrainer, StepResult
 from dist_loop.training import optim
 from dist_loop.training import precision as precision_lib
 from dist_loop.training import step as step_core
 
 
-@dataclasses.dataclass(frozen=True)
-class SingleDeviceOptions:
-  """The flags of --mode=single_device."""
-
-  jit_compile: bool = option(
-      False, "Compile the training step (forward, backward and update) with "
-      "XLA.")
-
-
 @MODES.register("single_device")
 class SingleDeviceTrainer(LoopTrainer):
   """One device, no strategy: the loop base over a (maybe XLA) step."""
 
-  Options = SingleDeviceOptions
   precisions = precision_lib.PRECISIONS
   grad_accumulation = True
   skips_nonfinite = True
@@ -69,7 +55,7 @@ class SingleDeviceTrainer(LoopTrainer):
     # XLA compiles the update only: the loop around it reads the iterator,
     # which XLA cannot.
     self._update = tf.function(self._update_fn, autograph=False,
-                               jit_compile=self.options.jit_compile)
+                               jit_compile=self.config.jit_compile)
 
   def _update_fn(self, x, y):
     scale = self.loss_scale.scale if self.loss_scale is not None else None

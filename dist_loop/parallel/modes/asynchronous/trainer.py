@@ -111,7 +111,8 @@ class AsyncTrainer(Trainer, Reporting):
       workers.append(Worker(
           i, num_workers, device, model, self.task, dataset,
           config.global_batch_size, config.seed,
-          loss_scaled=precision_lib.needs_loss_scale(config.precision)))
+          loss_scaled=precision_lib.needs_loss_scale(config.precision),
+          jit_compile=config.jit_compile))
     return workers
 
   # -- the main thread's side --

@@ -58,11 +58,13 @@ class Worker:
     batch_size: examples per push (the run's --global_batch_size).
     seed: the input stream's seed.
     loss_scaled: float16 loss scaling (`--precision=mixed_float16`).
+    jit_compile: the gradient computation compiled with XLA (`--jit_compile`).
   """
 
   def __init__(self, index: int, num_workers: int, device: str,
                model: keras.Model, task: Task, dataset: Dataset,
-               batch_size: int, seed: int, loss_scaled: bool = False):
+               batch_size: int, seed: int, loss_scaled: bool = False,
+               jit_compile: bool = False):
     self.index = index
     self.num_workers = num_workers
     self.device = device
@@ -70,6 +72,7 @@ class Worker:
     self.task = task
     self.batch_size = batch_size
     self.loss_scaled = loss_scaled
+    self.jit_compile = jit_compile
     self.steps = 0  # Gradients computed; written by this worker's thread only.
     self._dataset = dataset
     self._seed = seed
@@ -133,9 +136,10 @@ class Worker:
     with tf.device(self.device):
       for var, value in zip(self.model.trainable_variables, read):
         var.assign(value)
-      metrics, grads = step_lib.gradients(
-          self.task, self.model, x, y, examples_per_update=self.batch_size,
-          contributors=1, scale=scale)
+      metrics, grads = step_lib.accumulated_gradients(
+          self.task, self.model, x, y, chunks=1,
+          examples_per_update=self.batch_size, contributors=1, scale=scale,
+          jit_compile=self.jit_compile)
       if scale is not None:  # float32 gradients, unscaled before the push.
         grads = [g / scale for g in grads]
       return grads, metrics

@@ -129,7 +129,8 @@ class LocalSGDTrainer(Mirrored, LoopTrainer, Reporting):
     chunks = self.config.grad_accum_steps
     shares, grads = step_core.accumulated_gradients(
         self.task, self.replica_model, x, y, chunks=chunks,
-        examples_per_update=self.examples_per_replica, contributors=chunks)
+        examples_per_update=self.examples_per_replica, contributors=chunks,
+        jit_compile=self.config.jit_compile)
     ok = tf.logical_and(optim.all_finite(grads),
                         tf.math.is_finite(shares["loss"]))
     # Clipping acts per inner step, on the replica's own gradient.

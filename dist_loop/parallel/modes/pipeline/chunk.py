@@ -25,6 +25,12 @@ data-input gradient of a join in W, the weight gradient in I) are pruned
 when the function is instantiated, as TensorFlow prunes every op whose
 value nobody reads.
 
+With `--jit_compile`, F's layers (and the last chunk's head) are one XLA
+computation (`step.xla`), and B differentiates through it: TensorFlow
+builds the gradient of a compiled function as another compiled function.
+I and W need F's ops, which a compiled F does not show, so a schedule
+that splits B cannot be compiled (`validation.py` refuses it).
+
 With recompute, F keeps only its input; I or B runs the forward again
 first (as `tf.recompute_grad` would) and differentiates the new ops. Layers
 whose forward changes state (batch-norm statistics, dropout seeds) then
@@ -35,6 +41,8 @@ import dataclasses
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
+
+from dist_loop.training import step as step_core
 
 # head(output, regularisation or None, *head_args) -> (the scalar to
 # differentiate, anything else to keep), run after the last chunk's layers.
@@ -67,7 +75,8 @@ class Chunk:
   """Consecutive layers that run as one unit of a pipeline schedule."""
 
   def __init__(self, layers, first: bool, recompute: bool,
-               head: Optional[Head] = None, split_backward: bool = True):
+               head: Optional[Head] = None, split_backward: bool = True,
+               jit_compile: bool = False):
     """Args:
       layers: the chunk's Keras layers, in order.
       first: the model's first chunk (its input is data: no gradient).
@@ -75,18 +84,31 @@ class Chunk:
       head: for the model's last chunk, the loss (see `Head`).
       split_backward: whether the schedule runs the backward as I and W
         (F then lists its ops, to find the joins).
+      jit_compile: F is one XLA computation (not with `split_backward`).
     """
+    if jit_compile and split_backward:
+      raise ValueError("a compiled chunk's backward cannot be split")
     self.layers = list(layers)
     self.first = first
     self.recompute = recompute
     self.head = head
     self.split_backward = split_backward
+    self.jit_compile = jit_compile
     self.variables = [v for layer in self.layers
                       for v in layer.trainable_variables]
 
   def _run(self, x, reg_in, head_args) -> Record:
+    if self.jit_compile:
+      ys, extra = step_core.xla(self._layers_and_head, x, reg_in, *head_args)
+      return Record(x, reg_in, list(ys), extra, (), head_args)
     graph = tf.compat.v1.get_default_graph()
     start = len(graph.get_operations()) if self.split_backward else None
+    ys, extra = self._layers_and_head(x, reg_in, *head_args)
+    ops = () if start is None else graph.get_operations()[start:]
+    return Record(x, reg_in, ys, extra, ops, head_args)
+
+  def _layers_and_head(self, x, reg_in, *head_args):
+    """(what is differentiated, the head's other results)."""
     out = x
     for layer in self.layers:
       out = layer(out, training=True)
@@ -101,8 +123,7 @@ class Chunk:
     else:
       target, extra = self.head(out, reg, *head_args)
       ys = [target]
-    ops = () if start is None else graph.get_operations()[start:]
-    return Record(x, reg_in, ys, extra, ops, head_args)
+    return ys, extra
 
   def forward(self, x, reg_in, *head_args) -> Record:
     """F: the chunk on one micro-batch. `head_args` go to the head."""

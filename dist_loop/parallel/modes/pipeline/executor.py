@@ -54,7 +54,7 @@ class PipelineExecutor:
   def __init__(self, chunk_layers: Sequence[Sequence[object]],
                schedule: Schedule, device_grid: Sequence[Sequence[str]],
                num_microbatches: int, task: Task, examples_per_update: int,
-               recompute: str = "never"):
+               recompute: str = "never", jit_compile: bool = False):
     """Prepares the chunks and the clocks.
 
     Args:
@@ -66,6 +66,7 @@ class PipelineExecutor:
       task: what is learned (the loss and metrics of the last chunk).
       examples_per_update: the global batch, over all replicas.
       recompute: one of `options.RECOMPUTE`.
+      jit_compile: each chunk's F compiled with XLA (`chunk.py`).
     """
     self.schedule = schedule
     self.order = schedule_lib.execution_order(schedule)
@@ -83,7 +84,7 @@ class PipelineExecutor:
               recompute=recompute == "always" or (
                   recompute == "except_last" and c < last),
               head=self._head if c == last else None,
-              split_backward=c in split_backward)
+              split_backward=c in split_backward, jit_compile=jit_compile)
         for c, layers in enumerate(chunk_layers)]
     self._clocks = []  # One per device: see `_stamp`.
     for row in self.device_grid:

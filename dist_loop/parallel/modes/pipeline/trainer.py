@@ -92,7 +92,8 @@ class PipelineTrainer(LoopTrainer, Reporting):
     self.executor = PipelineExecutor(
         [self.model.layers[s.start:s.end] for s in self.chunk_spans],
         self.schedule, self.device_grid, m, self.task,
-        config.global_batch_size, self.options.recompute)
+        config.global_batch_size, self.options.recompute,
+        config.jit_compile)
     if [id(v) for v in self.executor.variables] != [
         id(v) for v in self.model.trainable_variables]:
       raise AssertionError("chunk variables are not in the model's order")

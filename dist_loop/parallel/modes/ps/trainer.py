@@ -184,9 +184,14 @@ class PSTrainer(Trainer, Reporting):
     with tf.control_dependencies([read_version]):
       scale = (None if self.loss_scale is None
                else self.loss_scale.scale.read_value())
-      metrics, grads = step_lib.gradients(
-          self.task, self.model, x, y,
-          examples_per_update=self.config.global_batch_size, scale=scale)
+      # Under XLA the weights are read first: a computation runs on one
+      # device, and the variables live on the PSs.
+      weights = ([v.read_value() for v in self.model.trainable_variables]
+                 if self.config.jit_compile else None)
+      metrics, grads = step_lib.accumulated_gradients(
+          self.task, self.model, x, y, chunks=1,
+          examples_per_update=self.config.global_batch_size, scale=scale,
+          weights=weights, jit_compile=self.config.jit_compile)
     if scale is not None:
       grads = [g / scale for g in grads]
     metrics["grad_norm"] = tf.linalg.global_norm(grads)

@@ -101,7 +101,8 @@ class SyncTrainer(Mirrored, LoopTrainer, Reporting):
         self.task, self.model, x, y, chunks=self.config.grad_accum_steps,
         examples_per_update=self.examples_per_step,
         contributors=self.contributors, scale=scale,
-        weights=self.reduction.weights())
+        weights=self.reduction.weights(),
+        jit_compile=self.config.jit_compile)
     grads = [tf.convert_to_tensor(g) for g in grads]  # Embeddings: dense.
     ok, means = self.reduction.apply(grads, scale, self.step,
                                      exact=variant == _EXACT)
