@@ -97,7 +97,7 @@ def plan(config, dataset, devices: Sequence[str],
   candidates, skipped = make_candidates(
       options, layers, layer_costs,
       lambda c: models.split_points_for(config.model, c, len(layers)),
-      measure=measure, cores=cores)
+      measure=measure, cores=cores, jit_compile=config.jit_compile)
   chosen = pick(candidates, options.pipeline_memory_mb)
   logging.info("pipeline schedules, predicted from the measured costs:\n%s",
                table(candidates, chosen, skipped))
@@ -119,7 +119,7 @@ def make_candidates(
     options, layers, layer_costs: Sequence[costs_lib.LayerCost],
     declared: Callable[[int], Optional[Sequence[int]]],
     measure: Optional[Callable[[Sequence[int]], tuple]] = None,
-    cores: float = math.inf
+    cores: float = math.inf, jit_compile: bool = False
 ) -> Tuple[List[Candidate], List[Tuple[str, str]]]:
   """The run's schedule as a candidate, or every schedule for auto.
 
@@ -131,6 +131,8 @@ def make_candidates(
     measure: chunk bounds -> their measured (alone, crowded) seconds
       (`timing.chunk_measurer`); None: the layers' sums.
     cores: `costs.shared_cores`.
+    jit_compile: auto skips the schedules that split the backward (a
+      named one was refused at parse time, `validation.py`).
 
   Returns:
     (candidates, skipped): for auto, the schedules that cannot run
@@ -154,6 +156,9 @@ def make_candidates(
       chunks = schedule.num_chunks
       why = (f"--pipeline_schedule={name} ({k} devices x "
              f"{schedule.virtual_stages} chunks)")
+      if jit_compile and schedule_lib.splits_backward(schedule):
+        raise UserError("splits the backward, which --jit_compile cannot "
+                        "compile")
       spans, how = partition.choose(
           options.stage_split, layers, chunks, options.split_points,
           declared(chunks), seconds, why if chunks != k else "")

@@ -141,6 +141,11 @@ def make(name: str, num_stages: int, num_microbatches: int,
   return schedule
 
 
+def splits_backward(schedule: Schedule) -> bool:
+  """Whether the schedule runs some chunk's backward as I and W."""
+  return any(a.kind == INPUT_GRAD for row in schedule.devices for a in row)
+
+
 def validate(schedule, num_stages: int, num_microbatches: int) -> None:
   """Raises UserError unless `schedule` is complete and can run.
 

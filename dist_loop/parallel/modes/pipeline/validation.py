@@ -43,13 +43,14 @@ def check(config: Config, num_replicas: int) -> None:
         f"{per_replica} (--global_batch_size={config.global_batch_size} "
         f"over {num_replicas} replica(s)); use --num_microbatches="
         f"{' or '.join(map(str, sorted(near)))}")
-  chunks, why = _check_schedule(options)
+  chunks, why = _check_schedule(options, config.jit_compile)
   _check_split(config, k, chunks, why)
 
 
-def _check_schedule(options):
+def _check_schedule(options, jit_compile: bool):
   """The named schedule's chunk count (K for auto), and where it comes
-  from; raises UserError if it cannot run (K, M, V)."""
+  from; raises UserError if it cannot run (K, M, V), or cannot be
+  compiled (`chunk.py`: a split backward needs F's ops)."""
   k = options.num_stages
   if options.pipeline_schedule == schedule_lib.AUTO:
     return k, ""
@@ -60,6 +61,12 @@ def _check_schedule(options):
   schedule = schedule_lib.make(options.pipeline_schedule, k,
                                options.num_microbatches,
                                options.virtual_stages)
+  if jit_compile and schedule_lib.splits_backward(schedule):
+    raise UserError(
+        f"--jit_compile cannot compile --pipeline_schedule="
+        f"{options.pipeline_schedule}: it splits the backward at ops that "
+        "XLA fuses; use --pipeline_schedule=1f1b, gpipe or interleaved_1f1b, "
+        "or drop --jit_compile")
   if schedule.num_chunks == k:
     return k, ""
   return schedule.num_chunks, (

@@ -1,0 +1,132 @@
+"""`--jit_compile`: every mode whose step is traced, compiled with XLA.
+
+Each mode with `--jit_compile` equals the same mode without it to 1e-4
+(XLA fuses and reorders float math, docs/modes.md#xla), crossed with the
+precisions and the sync reductions; a resume equals an uninterrupted run
+exactly with it on; what cannot compile is refused at parse time.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conftest import max_diff
+from dist_loop import configure, train
+from dist_loop.control import weights
+from dist_loop.core.errors import UserError
+from dist_loop.runtime.cluster import Cluster
+from helpers import make_trainer, variables
+
+STEPS = 4
+TOLERANCE = 1e-4
+# Eager kernels round to bfloat16 between every two ops; an XLA fusion keeps
+# float32 inside it. The runs then differ by bfloat16's rounding.
+BFLOAT16_TOLERANCE = 2e-3
+
+
+def _xla_functions(graph) -> int:
+  """How many functions of `graph`'s library XLA must compile."""
+  return sum(1 for f in graph.as_graph_def().library.function
+             if f.attr["_XlaMustCompile"].b)
+
+
+def _trained(config):
+  """(initial, trained) weights of STEPS steps, and how many functions
+  of the traced loops XLA compiled."""
+  trainer = make_trainer(config)
+  start = variables(trainer)
+  trainer.train(STEPS)
+  end = variables(trainer)
+  loops = getattr(trainer, "_loops", {})
+  compiled = sum(_xla_functions(cf.graph) for fn in loops.values()
+                 for cf in fn._list_all_concrete_functions())  # pylint: disable=protected-access
+  trainer.close()
+  return start, end, compiled
+
+
+def _equal_with_and_without(small_config, tmp_path, **flat):
+  start, plain, none = _trained(small_config(
+      workdir=str(tmp_path / "plain"), **flat))
+  _, jit, compiled = _trained(small_config(
+      workdir=str(tmp_path / "jit"), jit_compile=True, **flat))
+  assert max_diff(plain, start) > 1e-2  # It trained.
+  bfloat16 = flat.get("precision") == "mixed_bfloat16"
+  assert max_diff(plain, jit) <= (BFLOAT16_TOLERANCE if bfloat16
+                                  else TOLERANCE)
+  return none, compiled
+
+
+@pytest.mark.parametrize("flat", [
+    # A ZeRO stage with a cast sum, accumulation, bfloat16.
+    dict(shard="optimizer", allreduce_compression="bf16",
+         grad_accum_steps=2, precision="mixed_bfloat16"),
+    # A compressor with data-dependent shapes (top-k), outside XLA.
+    dict(allreduce_compression="topk", precision="mixed_float16"),
+], ids=["zero1_bf16", "topk_fp16"])
+def test_sync_on_two_devices(small_config, tmp_path, flat):
+  none, compiled = _equal_with_and_without(
+      small_config, tmp_path, num_devices=2, **flat)
+  assert none == 0
+  assert compiled >= 2  # One computation per replica.
+
+
+@pytest.mark.parametrize("precision", ["float32", "mixed_float16"])
+def test_pipeline_per_chunk(small_config, tmp_path, precision):
+  none, compiled = _equal_with_and_without(
+      small_config, tmp_path, mode="pipeline", num_devices=2, num_stages=2,
+      num_microbatches=4, stage_split="explicit", split_points="2",
+      pipeline_timing="never", precision=precision)
+  assert none == 0
+  assert compiled >= 2  # Each chunk's forward (and its gradient).
+
+
+def test_local_sgd(small_config, tmp_path):
+  none, compiled = _equal_with_and_without(
+      small_config, tmp_path, mode="local_sgd", num_devices=2, sync_every=2,
+      precision="mixed_bfloat16")
+  assert none == 0 and compiled >= 2
+
+
+def test_async_with_one_worker(small_config, tmp_path):
+  _equal_with_and_without(small_config, tmp_path, mode="async",
+                          async_workers=1, precision="mixed_float16")
+
+
+def test_resumed_equals_uninterrupted_with_jit(small_config, tmp_path):
+  common = dict(num_devices=2, jit_compile=True, shard="gradients",
+                checkpoint_every=4, eval_every=4, log_every=4,
+                steps_per_loop=2, train_steps=8, optimizer="adam",
+                learning_rate=0.01)
+  whole = small_config(workdir=str(tmp_path / "whole"), **common)
+  train.run(whole)
+  cut = small_config(workdir=str(tmp_path / "cut"), **common)
+  train.run(cut.replace(train_steps=4))
+  train.run(cut)
+  a, b = (weights.load_model(c).trainable_variables for c in (whole, cut))
+  for x, y in zip(a, b):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("schedule", ["zb_h1", "zbv"])
+def test_a_split_backward_is_refused_at_the_door(small_config, schedule):
+  with pytest.raises(UserError, match=(
+      f"--jit_compile cannot compile --pipeline_schedule={schedule}: .*"
+      "use --pipeline_schedule=1f1b, gpipe or interleaved_1f1b, or drop "
+      "--jit_compile")):
+    configure.validate(small_config(
+        mode="pipeline", num_devices=2, num_stages=2, num_microbatches=4,
+        pipeline_schedule=schedule, jit_compile=True), Cluster())
+
+
+def test_xla_is_one_function_call_per_call():
+  """`step.xla` compiles what it is given, and a tensor is an argument."""
+  from dist_loop.training import step  # pylint: disable=g-import-not-at-top
+
+  @tf.function(autograph=False)
+  def outer(x):
+    return step.xla(lambda a, b: a * 2.0 + (0.0 if b is None else b), x,
+                    None)
+
+  graph = outer.get_concrete_function(tf.TensorSpec([2])).graph
+  assert _xla_functions(graph) == 1
+  assert outer(tf.constant([1.0, 2.0])).numpy().tolist() == [2.0, 4.0]
