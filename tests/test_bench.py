@@ -120,15 +120,34 @@ def test_quick_suites_write_consistent_json(tmp_path):
     assert r["vs fit"] == pytest.approx(r["dist_loop ex/s"]
                                         / r["keras_fit ex/s"])
     assert r["vs bare"] == pytest.approx(r["dist_loop ex/s"] / r["bare ex/s"])
+    assert r["xla vs none"] == pytest.approx(r["dist_loop_xla ex/s"]
+                                             / r["dist_loop ex/s"])
+    # fit with XLA is the reference on one device only.
+    if r["devices"] == 1:
+      assert r["xla vs fit xla"] == pytest.approx(
+          r["dist_loop_xla ex/s"] / r["keras_fit_xla ex/s"])
+    else:
+      assert r["keras_fit_xla ex/s"] is None
 
-  mlp_row, lm_row = suites["mfu"]["rows"]
-  assert mlp_row["model"] == "4x2048 MLP, batch 32, SGD"
-  assert lm_row["model"].startswith("Transformer L=1 d=32 T=16")
-  for row in (mlp_row, lm_row):
+  rows = suites["mfu"]["rows"]
+  # Each model: sync on 1 and 2 devices without and with XLA, then fit
+  # with XLA on one device, its own reference.
+  assert [(r["model"].split(",")[0], r["loop"], r["xla"]) for r in rows] == [
+      (model, loop, xla) for model in ("4x2048 MLP",
+                                       "Transformer L=1 d=32 T=16")
+      for loop, xla in (("sync 1 device", False), ("sync 1 device", True),
+                        ("sync 2 devices", False), ("sync 2 devices", True),
+                        ("keras fit 1 device", True))]
+  for row in rows:
     assert _positive(row["train GFLOP/s"]) and _positive(
         row["matmul peak GFLOP/s"])
     assert row["MFU"] == pytest.approx(row["train GFLOP/s"]
                                        / row["matmul peak GFLOP/s"])
+  fits = [r for r in rows if r["loop"] == "keras fit 1 device"]
+  assert [r["vs fit xla"] for r in fits] == [1.0, 1.0]
+  for row, fit in zip(rows[:4] + rows[5:9], [fits[0]] * 4 + [fits[1]] * 4):
+    assert row["vs fit xla"] == pytest.approx(row["train GFLOP/s"]
+                                              / fit["train GFLOP/s"])
 
 
 def test_pipeline_targets_are_judged_from_the_rows():

@@ -129,7 +129,8 @@ class Config:
   jit_compile: bool = option(
       False, "Compile each replica's forward, backward and local math with "
       "XLA, in every mode whose step is traced; the collectives stay "
-      "outside the compiled region (docs/modes.md#xla).", group=_PRECISION)
+      "outside the compiled region (docs/modes.md#xla---jit_compile).",
+      group=_PRECISION)
   precision: str = option(
       "float32", "Compute dtype policy; master weights stay float32. "
       "mixed_float16 adds dynamic loss scaling.", choices=PRECISIONS,

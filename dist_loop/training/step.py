@@ -141,8 +141,8 @@ def xla(fn, *args):
   communicate: a function nested in a replica's step cannot `merge_call`,
   and on CPU XLA has no collectives; so a mode compiles a replica's
   forward, backward and local math with this, and reduces and applies
-  outside it (docs/modes.md#xla). Tensors reach `fn` as arguments (a
-  Python value, such as None, as itself).
+  outside it (docs/modes.md#xla---jit_compile). Tensors reach `fn` as
+  arguments (a Python value, such as None, as itself).
   """
   return tf.function(fn, jit_compile=True, autograph=False)(*args)
 

@@ -4,8 +4,12 @@ r"""Compute efficiency: training FLOP/s against the matmul peak.
 
 The peak is what this machine reaches on a chain of square float32 matmuls
 in a `tf.function`, measured in the same run, interleaved with the models.
-Both models are trained by `SyncTrainer` on one device with SGD, and their
-FLOPs per step are counted from the shapes. MFU = model FLOP/s / peak FLOP/s.
+Both models are trained with SGD by `SyncTrainer` on 1 and 2 logical
+devices, each with and without `--jit_compile`, and by Keras `fit` with
+`jit_compile=True` on one device (the reference a Keras user gets), all
+interleaved in the same rounds; their FLOPs per step are counted from the
+shapes. MFU = model FLOP/s / peak FLOP/s; "vs fit xla" is fit's time over
+ours in the same round (above 1: ours is faster).
 
 * An MLP, 4 x Dense(2048, relu) on 2048 features: a forward matmul costs
   2*B*in*out, the backward two more of the same size (gradients of the input
@@ -34,10 +38,12 @@ import keras  # pylint: disable=g-import-not-at-top
 import numpy as np  # pylint: disable=g-import-not-at-top
 import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
+from dist_loop import data  # pylint: disable=g-import-not-at-top
+from dist_loop import models as models_lib  # pylint: disable=g-import-not-at-top
 from dist_loop.data import DATASETS, Dataset  # pylint: disable=g-import-not-at-top
 from dist_loop.models import MODELS  # pylint: disable=g-import-not-at-top
 from dist_loop.runtime import devices  # pylint: disable=g-import-not-at-top
-from tools.benchmarks.common import interleaved_times, markdown_table, spread, trainer  # pylint: disable=g-import-not-at-top
+from tools.benchmarks.common import config, interleaved_times, markdown_table, spread, trainer  # pylint: disable=g-import-not-at-top
 
 WIDTH = 2048
 DEPTH = 4
@@ -50,6 +56,8 @@ VOCAB = 256
 # Quick is a smoke run of the harness: too small to keep the cores busy.
 SIZES = {False: (512, 2048, 20, 5, 4, 5), True: (32, 512, 2, 1, 1, 1)}
 EXAMPLES = 2048
+# Our loops: (devices, --jit_compile), each beside Keras fit with XLA.
+VARIANTS = ((1, False), (1, True), (2, False), (2, True))
 
 
 # Registered like any extension: one builder, one dataset, one name each.
@@ -103,8 +111,42 @@ def train_flops_per_step(batch, widths):
   return flops
 
 
+def _keras_fit_xla(names, flat, split, steps_per_loop, loops):
+  """The reference: Keras `fit` with `jit_compile=True` on one device, no
+  strategy (under one, Keras turns XLA off), the same model, batch and SGD,
+  `steps_per_execution` equal to our `steps_per_loop`."""
+  with tf.device(names[0]):
+    model = models_lib.build_for(config(**flat), split)
+    model.compile(optimizer=keras.optimizers.SGD(flat["learning_rate"]),
+                  loss=keras.losses.SparseCategoricalCrossentropy(
+                      from_logits=True),
+                  steps_per_execution=steps_per_loop, jit_compile=True)
+  dataset = tf.data.Dataset.from_tensor_slices(
+      (split.train_x, split.train_y)).repeat().batch(
+          flat["global_batch_size"], drop_remainder=True)
+  model.fit(dataset, epochs=1, steps_per_epoch=steps_per_loop, verbose=0)
+
+  def train():  # The call above traced and compiled.
+    model.fit(dataset, epochs=1, steps_per_epoch=loops * steps_per_loop,
+              verbose=0)
+  return train
+
+
+def _ours(names, flat, steps_per_loop, loops):
+  """dist_loop's sync trainer, trained as the controller calls it."""
+  sync = trainer(names, flat)[1]
+  sync.train(steps_per_loop)  # Traces (and with XLA, compiles).
+
+  def train():
+    for _ in range(loops):
+      sync.train(steps_per_loop)
+  return train, sync
+
+
 def run(quick: bool = False) -> dict:
-  names = devices.configure(1, "cpu")
+  """MFU of each model in sync on 1 and 2 devices, with and without XLA,
+  and of Keras fit with XLA on one device, all in the same rounds."""
+  names = devices.configure(2, "cpu")
   batch, side, chain, steps_per_loop, loops, rounds = SIZES[quick]
 
   a = tf.random.normal([side, side])
@@ -120,51 +162,58 @@ def run(quick: bool = False) -> dict:
   matmuls()
   layers, d, heads, seq_len, lm_batch = TRANSFORMER[quick]
   _SEQ_LEN[0] = seq_len
-  common = dict(num_devices=1, optimizer="sgd", learning_rate=1e-3,
+  common = dict(optimizer="sgd", learning_rate=1e-3,
                 steps_per_loop=steps_per_loop)
   models = {
-      "mlp": (trainer(names, dict(
-          dataset="bench_features_2048", model="bench_mlp_4x2048",
-          global_batch_size=batch, **common))[1],
+      "mlp": (dict(dataset="bench_features_2048", model="bench_mlp_4x2048",
+                   global_batch_size=batch, **common),
               train_flops_per_step(batch, [WIDTH] * (DEPTH + 1) + [CLASSES]),
               f"{DEPTH}x{WIDTH} MLP, batch {batch}, SGD"),
-      "transformer": (trainer(names, dict(
-          dataset="bench_bytes", model="transformer", num_layers=layers,
-          d_model=d, num_heads=heads, mlp_ratio=4,
-          global_batch_size=lm_batch, **common))[1],
+      "transformer": (dict(dataset="bench_bytes", model="transformer",
+                           num_layers=layers, d_model=d, num_heads=heads,
+                           mlp_ratio=4, global_batch_size=lm_batch, **common),
                       transformer_flops_per_step(lm_batch, seq_len, layers, d),
                       f"Transformer L={layers} d={d} T={seq_len}, batch "
                       f"{lm_batch}, SGD")}
 
-  def looped(sync):
-    sync.train(steps_per_loop)  # Traces.
-
-    def train():
-      for _ in range(loops):
-        sync.train(steps_per_loop)
-    return train
-
   variants = {"matmul": lambda: float(matmuls())}
-  variants.update({name: looped(m[0]) for name, m in models.items()})
+  trainers, rows = [], []
+  for name, (flat, flops, label) in models.items():
+    for n, xla in VARIANTS:
+      key = (name, f"sync {n} device{'s' if n > 1 else ''}", xla)
+      variants[key], sync = _ours(names[:n], dict(
+          flat, num_devices=n, jit_compile=xla), steps_per_loop, loops)
+      trainers.append(sync)
+      rows.append((key, flops, label))
+    key = (name, "keras fit 1 device", True)
+    variants[key] = _keras_fit_xla(names, flat, data.load(config(
+        **flat)), steps_per_loop, loops)
+    rows.append((key, flops, label))
   times = interleaved_times(variants, rounds)
-  # Per round: the round's peak, and each model against it; then the
-  # medians over the rounds and their min-max spread.
-  peaks = [chain * 2 * side ** 3 / s for s in times["matmul"]]
-  rows = []
-  for name, (sync, flops, label) in models.items():
+  for sync in trainers:
     sync.close()
-    achieved = [loops * steps_per_loop * flops / s for s in times[name]]
+  # Per round: the round's peak, and each variant against it and against
+  # fit with XLA; then the medians over the rounds and their spread.
+  peaks = [chain * 2 * side ** 3 / s for s in times["matmul"]]
+  out = []
+  for key, flops, label in rows:
+    name, loop, xla = key
+    achieved = [loops * steps_per_loop * flops / s for s in times[key]]
     mfu = [a / p for a, p in zip(achieved, peaks)]
-    rows.append({"model": label,
-                 "matmul peak GFLOP/s": statistics.median(peaks) / 1e9,
-                 "peak spread": spread([p / 1e9 for p in peaks]),
-                 "train GFLOP/s": statistics.median(achieved) / 1e9,
-                 "train spread": spread([a / 1e9 for a in achieved]),
-                 "MFU": statistics.median(mfu), "MFU spread": spread(mfu),
-                 "rounds": rounds})
-  columns = ["model", "matmul peak GFLOP/s", "peak spread", "train GFLOP/s",
-             "train spread", "MFU", "MFU spread"]
-  return {"rows": rows, "table": markdown_table(rows, columns)}
+    fit = times[(name, "keras fit 1 device", True)]
+    vs_fit = [f / s for s, f in zip(times[key], fit)]
+    out.append({"model": label, "loop": loop, "xla": xla,
+                "matmul peak GFLOP/s": statistics.median(peaks) / 1e9,
+                "peak spread": spread([p / 1e9 for p in peaks]),
+                "train GFLOP/s": statistics.median(achieved) / 1e9,
+                "train spread": spread([a / 1e9 for a in achieved]),
+                "MFU": statistics.median(mfu), "MFU spread": spread(mfu),
+                "vs fit xla": statistics.median(vs_fit),
+                "vs fit xla spread": spread(vs_fit), "rounds": rounds})
+  columns = ["model", "loop", "xla", "matmul peak GFLOP/s", "peak spread",
+             "train GFLOP/s", "train spread", "MFU", "MFU spread",
+             "vs fit xla", "vs fit xla spread"]
+  return {"rows": out, "table": markdown_table(out, columns)}
 
 
 if __name__ == "__main__":

@@ -16,7 +16,12 @@ same Config), the same global batch and the same input pipeline, with
   forward/backward/`optimizer.apply` in a `tf.while_loop` in a
   `tf.function`, no metrics, no guard. It is the limit.
 
-All three are timed side by side, interleaved, in one process.
+With XLA, beside them: dist_loop_xla (the same trainer with
+`--jit_compile`) on every device count, and on one device keras_fit_xla,
+`fit` with `jit_compile=True` and no strategy (under one, Keras turns XLA
+off), the reference a Keras user gets.
+
+All are timed side by side, interleaved, in one process.
 """
 
 import os
@@ -69,9 +74,9 @@ def _model(flags, split):
   return models.build_for(common.config(**flags), split)
 
 
-def _dist_loop(names, flags, split, loops):
-  _, trainer = common.trainer(names, {**flags, "num_devices": len(names)},
-                              split)
+def _dist_loop(names, flags, split, loops, jit_compile=False):
+  _, trainer = common.trainer(names, {**flags, "num_devices": len(names),
+                                      "jit_compile": jit_compile}, split)
   steps = flags["steps_per_loop"]
   trainer.train(steps)  # Traces.
 
@@ -88,9 +93,11 @@ def fit_steps_per_execution(num_devices, steps_per_loop):
   return steps_per_loop if num_devices == 1 else 1
 
 
-def _keras_fit(names, flags, split, loops):
+def _keras_fit(names, flags, split, loops, jit_compile=False):
   steps = flags["steps_per_loop"]
-  strategy = strategy_lib.mirrored(names)
+  # XLA: one device, no strategy (Keras turns XLA off under one).
+  strategy = (tf.distribute.get_strategy() if jit_compile
+              else strategy_lib.mirrored(names))
   fn = stream.train_dataset_fn(split.train_x, split.train_y, GLOBAL_BATCH,
                                seed=0)
   # The same stream, batched to the global batch: fit splits it itself.
@@ -102,7 +109,8 @@ def _keras_fit(names, flags, split, loops):
                       from_logits=True),
                   metrics=["accuracy"],
                   steps_per_execution=fit_steps_per_execution(len(names),
-                                                              steps))
+                                                              steps),
+                  jit_compile=jit_compile)
   model.fit(dataset, epochs=1, steps_per_epoch=2 * steps, verbose=0)
 
   def run():
@@ -146,7 +154,7 @@ def _bare(names, flags, split, loops):
 
 
 def run(quick: bool = False) -> dict:
-  """Examples/sec of the three loops on 1 and 2 devices, and their ratios."""
+  """Examples/sec of the loops on 1 and 2 devices, and their ratios."""
   names = devices.configure(2, "cpu")
   models, steps, loops, rounds = SIZES[quick]
   examples = loops * steps * GLOBAL_BATCH
@@ -157,12 +165,21 @@ def run(quick: bool = False) -> dict:
     variants = {name: build(names[:n], flags, split, loops) for name, build in
                 (("dist_loop", _dist_loop), ("keras_fit", _keras_fit),
                  ("bare", _bare))}
+    variants["dist_loop_xla"] = _dist_loop(names[:n], flags, split, loops,
+                                           jit_compile=True)
+    if n == 1:
+      variants["keras_fit_xla"] = _keras_fit(names[:1], flags, split, loops,
+                                             jit_compile=True)
     times = common.interleaved_times(variants, rounds)
     rate = {k: examples / statistics.median(v) for k, v in times.items()}
     # The ratios per round (both loops timed in the same round), then
     # their median and min-max spread.
     vs = {other: [b / a for a, b in zip(times["dist_loop"], times[other])]
           for other in ("keras_fit", "bare")}
+    # dist_loop_xla against dist_loop, and against fit with XLA.
+    xla = {other: [b / a for a, b in zip(times["dist_loop_xla"],
+                                         times[other])]
+           for other in ("dist_loop", "keras_fit_xla") if other in times}
     rows.append({"model": model, "devices": n,
                  "steps_per_loop": steps,
                  "fit steps_per_execution": fit_steps_per_execution(n, steps),
@@ -173,10 +190,21 @@ def run(quick: bool = False) -> dict:
                  "vs fit spread": common.spread(vs["keras_fit"]),
                  "vs bare": statistics.median(vs["bare"]),
                  "vs bare spread": common.spread(vs["bare"]),
+                 "dist_loop_xla ex/s": rate["dist_loop_xla"],
+                 "keras_fit_xla ex/s": rate.get("keras_fit_xla"),
+                 "xla vs none": statistics.median(xla["dist_loop"]),
+                 "xla vs none spread": common.spread(xla["dist_loop"]),
+                 "xla vs fit xla": (statistics.median(xla["keras_fit_xla"])
+                                    if n == 1 else None),
+                 "xla vs fit xla spread": (
+                     common.spread(xla["keras_fit_xla"]) if n == 1
+                     else None),
                  "rounds": rounds})
   columns = ["model", "devices", "fit steps_per_execution", "dist_loop ex/s",
              "keras_fit ex/s", "bare ex/s", "vs fit", "vs fit spread",
-             "vs bare", "vs bare spread"]
+             "vs bare", "vs bare spread", "dist_loop_xla ex/s",
+             "keras_fit_xla ex/s", "xla vs none", "xla vs none spread",
+             "xla vs fit xla", "xla vs fit xla spread"]
   return {"rows": rows, "table": common.markdown_table(rows, columns)}
 
 
