@@ -38,6 +38,7 @@ import tensorflow as tf
 from absl import logging
 
 from dist_loop import models
+from dist_loop.core.errors import UserError
 from dist_loop.parallel.modes.base import MODES, Report, Reporting
 from dist_loop.parallel.modes.loop import LoopTrainer, StepResult
 from dist_loop.parallel.modes.pipeline import partition, planner
@@ -87,6 +88,12 @@ class PipelineTrainer(LoopTrainer, Reporting):
     self.schedule_name = chosen.name
     self.ideal_bubble = simulator.ideal_bubble(self.schedule)
     self.model = self._placed_model(plan.initial_weights)
+    if config.jit_compile and self.model.non_trainable_variables:
+      raise UserError(
+          "--mode=pipeline --jit_compile: the model has non-trainable state "
+          f"({self.model.non_trainable_variables[0].path}, ...), which a "
+          "compiled chunk cannot read from another device; drop "
+          "--jit_compile, or use --mode=sync")
     # The weights are the model's now; the plan keeps the rest for reports.
     self.plan = dataclasses.replace(plan, initial_weights=None)
     self.executor = PipelineExecutor(

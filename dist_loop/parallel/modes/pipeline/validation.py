@@ -33,6 +33,12 @@ def check(config: Config, num_replicas: int) -> None:
     raise UserError(
         f"--num_devices={config.num_devices} is not a multiple of "
         f"--num_stages={k}; use --num_devices={lower} or {lower + k}")
+  if config.jit_compile and num_replicas > 1:
+    raise UserError(
+        f"--jit_compile cannot compile {num_replicas} data-parallel "
+        f"pipelines (--num_devices={config.num_devices} over --num_stages="
+        f"{k}): their chunks read replica 0's variables on other devices, "
+        f"which XLA cannot; use --num_devices={k}, or drop --jit_compile")
   check_divisible(config.global_batch_size, num_replicas)
   per_replica = config.global_batch_size // num_replicas
   if per_replica % m:

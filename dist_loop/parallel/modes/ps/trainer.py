@@ -126,6 +126,12 @@ class PSTrainer(Trainer, Reporting):
                                    + self.recipe.mean_keys)
     with self.strategy.scope():
       self.model = models.build_for(config, dataset)
+      if config.jit_compile and self.model.non_trainable_variables:
+        raise UserError(
+            "--mode=ps --jit_compile runs the model on weights read from "
+            "the PSs, and the model has non-trainable state ("
+            f"{self.model.non_trainable_variables[0].path}, ...) that would "
+            "not follow; drop --jit_compile, or use --mode=async or sync")
       self.loss_scale = precision_lib.make_loss_scale(config.precision)
       self.optimizer = optim.make(config.optimizer, config.learning_rate,
                                   self.model.trainable_variables,
@@ -186,7 +192,8 @@ class PSTrainer(Trainer, Reporting):
                else self.loss_scale.scale.read_value())
       # Under XLA the weights are read first: a computation runs on one
       # device, and the variables live on the PSs.
-      weights = ([v.read_value() for v in self.model.trainable_variables]
+      weights = ([tf.convert_to_tensor(v)
+                  for v in self.model.trainable_variables]
                  if self.config.jit_compile else None)
       metrics, grads = step_lib.accumulated_gradients(
           self.task, self.model, x, y, chunks=1,
