@@ -26,7 +26,7 @@ when the function is instantiated, as TensorFlow prunes every op whose
 value nobody reads.
 
 With `--jit_compile`, F's layers (and the last chunk's head) are one XLA
-computation (`step.xla`), and B differentiates through it: TensorFlow
+computation, and B differentiates through it: TensorFlow
 builds the gradient of a compiled function as another compiled function.
 I and W need F's ops, which a compiled F does not show, so a schedule
 that splits B cannot be compiled (`validation.py` refuses it).
@@ -41,8 +41,6 @@ import dataclasses
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
-
-from dist_loop.training import step as step_core
 
 # head(output, regularisation or None, *head_args) -> (the scalar to
 # differentiate, anything else to keep), run after the last chunk's layers.
@@ -93,13 +91,16 @@ class Chunk:
     self.recompute = recompute
     self.head = head
     self.split_backward = split_backward
-    self.jit_compile = jit_compile
+    # One compiled function per chunk, called by each micro-batch's F: XLA
+    # compiles it once (a chunk runs on one device: validation.py).
+    self._compiled = (tf.function(self._layers_and_head, jit_compile=True,
+                                  autograph=False) if jit_compile else None)
     self.variables = [v for layer in self.layers
                       for v in layer.trainable_variables]
 
   def _run(self, x, reg_in, head_args) -> Record:
-    if self.jit_compile:
-      ys, extra = step_core.xla(self._layers_and_head, x, reg_in, *head_args)
+    if self._compiled is not None:
+      ys, extra = self._compiled(x, reg_in, *head_args)
       return Record(x, reg_in, list(ys), extra, (), head_args)
     graph = tf.compat.v1.get_default_graph()
     start = len(graph.get_operations()) if self.split_backward else None
