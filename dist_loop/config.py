@@ -110,8 +110,9 @@ class Config:
       "mixed_float16 adds dynamic loss scaling.", choices=PRECISIONS,
       group=_PRECISION)
   grad_accum_steps: int = option(
-      1, "Micro-steps of --global_batch_size examples each, summed before "
-      "one all-reduce and one update (sync mode).", lower=1, upper=MAX_STEPS,
+      1, "Micro-steps of --global_batch_size examples each, whose gradients "
+      "are summed into one update (sync, local_sgd; other modes refuse it).",
+      lower=1, upper=MAX_STEPS,
       group=_PRECISION, layout=True)
   nonfinite: str = option(
       "raise", "On a NaN/Inf loss or gradient: raise (stop, naming the "
@@ -150,9 +151,10 @@ class Config:
       0, "Ops run concurrently (0: TensorFlow's default, one per core).",
       lower=0, upper=MAX_THREADS, group=_DEVICES)
   collective_timeout_s: float = option(
-      120.0, "Multi-worker sync: a collective that waits this long for a "
-      "peer fails (CommunicationOptions.timeout_seconds); ps: training fails "
-      "after this long without an applied update.", lower=0.001,
+      120.0, "Multi-worker sync and local_sgd: a collective that waits this "
+      "long for a peer fails (CommunicationOptions.timeout_seconds); ps: a "
+      "round of scheduled calls (every step up to the next log, evaluation or "
+      "checkpoint) fails if it takes longer.", lower=0.001,
       upper=MAX_TIMEOUT_S, group=_CLUSTER)
   join_timeout_s: float = option(
       300.0, "Multi-process runs: joining the cluster fails if a peer task "

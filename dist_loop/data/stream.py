@@ -64,7 +64,8 @@ def _fixed(ds: tf.data.Dataset) -> tf.data.Dataset:
 
 def train_dataset_fn(x: np.ndarray, y: np.ndarray, global_batch_size: int,
                      seed: int, start_step: int = 0):
-  """Returns a `dataset_fn(input_context)` for distribute_datasets_from_function.
+  """Returns `dataset_fn(input_context)`: the batches of the input pipeline
+  the context names (`replica_input`; async and ps build their own context).
 
   Args:
     x, y: the training arrays.
