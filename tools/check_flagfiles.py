@@ -1,0 +1,294 @@
+r"""Runs every experiment flagfile as its header says and checks its promise.
+
+    make check-flagfiles
+    python -m tools.check_flagfiles [--only=default,ps] [--timeout_s=1800] \
+        [--root=runs/check_flagfiles] [--record=docs/flagfiles.md]
+
+A flagfile in experiments/configs/ is an experiment record (README, "Experiment
+flagfiles"): its header gives the command to run and what to expect. The
+expectation a machine can check is one or more lines
+
+    # promise: eval_accuracy >= 0.97 at step 600
+
+each a summary.json key, `>=` or `<=`, a number, and the step the run ends
+at. For each flagfile whose header has a command (base.flags only nests),
+this tool runs the header's first command (`python` is this interpreter, the
+`--workdir` a fresh directory under `--root`), bounded by `--timeout_s`,
+then reads WORKDIR/summary.json: a promise is kept if `final_step` is its
+step and the key's value is on the promised side. It prints one table and
+exits 1 if a promise was broken, a run failed, or a header with a command
+has no promise. `--record=PAGE` also writes the table, dated, into PAGE
+below its `## Last results` heading (docs/flagfiles.md).
+
+It trains every experiment in full, one after another: tens of minutes of
+CPU, which is why it is not part of `make test`. The header's command is
+run as written: a flagfile that needs an extension module names it there.
+"""
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from typing import Callable, List, Optional, Sequence
+
+CONFIGS = os.path.join("experiments", "configs")
+RESULTS_HEADING = "## Last results"
+_PROMISE = re.compile(
+    r"^#\s*promise:\s*(?P<key>[A-Za-z0-9_/]+)\s*(?P<op>>=|<=)\s*"
+    r"(?P<value>[-+0-9.eE]+)\s+at\s+step\s+(?P<step>\d+)\s*$")
+_KILL_GRACE_S = 30.0
+
+
+class InputError(Exception):
+  """A header, page or name the check cannot use."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Promise:
+  """`key op value at step step`, as a header states it."""
+
+  key: str
+  op: str
+  value: float
+  step: int
+
+  def __str__(self):
+    return f"{self.key} {self.op} {self.value:g} at step {self.step}"
+
+  def judge(self, summary: dict) -> Optional[str]:
+    """None if `summary` keeps the promise, else why not."""
+    if summary.get("final_step") != self.step:
+      return f"ended at step {summary.get('final_step')}"
+    got = summary.get(self.key)
+    if not isinstance(got, (int, float)) or isinstance(got, bool):
+      return f"summary.json has no number {self.key}"
+    kept = got >= self.value if self.op == ">=" else got <= self.value
+    return None if kept else f"{self.key} = {got:.4g}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Header:
+  """What a flagfile's leading comment lines say: its command, its
+  promises."""
+
+  path: str
+  command: Optional[List[str]]
+  promises: List[Promise]
+
+
+def read_header(path: str) -> Header:
+  """The command and the promises of the flagfile at `path`.
+
+  The command is the first comment line that starts with `python` after
+  its `#`, with its backslash continuation lines.
+
+  Raises:
+    InputError: a `# promise:` line that does not parse, or a command
+      without a promise.
+  """
+  with open(path, encoding="utf-8") as f:
+    lines = [line.rstrip("\n") for line in f]
+  comments = []
+  for line in lines:
+    if not line.startswith("#"):
+      break
+    comments.append(line)
+  command, promises = None, []
+  i = 0
+  while i < len(comments):
+    text = comments[i][1:].strip()
+    if text.startswith("promise:"):
+      match = _PROMISE.match(comments[i])
+      if match is None:
+        raise InputError(
+            f"{path}: cannot read {comments[i]!r}; write it as "
+            "'# promise: KEY >= NUMBER at step N' (or <=)")
+      promises.append(Promise(match["key"], match["op"],
+                              float(match["value"]), int(match["step"])))
+    elif command is None and text.startswith("python "):
+      words = text
+      while words.endswith("\\") and i + 1 < len(comments):
+        i += 1
+        words = words[:-1] + " " + comments[i][1:].strip()
+      command = shlex.split(words)
+    i += 1
+  if command is not None and not promises:
+    raise InputError(f"{path}: the header gives a command but no "
+                      "'# promise: KEY >= NUMBER at step N' line")
+  return Header(path, command, promises)
+
+
+def prepared(command: Sequence[str], workdir: str) -> List[str]:
+  """`command` with this interpreter for `python` and `workdir` for its
+  `--workdir`."""
+  out = [sys.executable if word == "python" else word for word in command]
+  out = [f"--workdir={workdir}" if w.startswith("--workdir=") else w
+         for w in out]
+  if not any(w.startswith("--workdir=") for w in out):
+    raise InputError(f"the command {' '.join(command)!r} has no --workdir")
+  return out
+
+
+@dataclasses.dataclass
+class Result:
+  """One flagfile's run and verdicts."""
+
+  name: str
+  promises: List[Promise]
+  broken: List[str]  # One reason per broken promise, or the run's failure.
+  seconds: float = 0.0
+
+  @property
+  def kept(self) -> bool:
+    return not self.broken
+
+
+def run_command(command: Sequence[str], log_path: str,
+                timeout_s: float) -> Optional[str]:
+  """Runs `command` in its own process group, output to `log_path`. None
+  if it exited 0, else why not (after `timeout_s` it is stopped)."""
+  with open(log_path, "w", encoding="utf-8") as log:
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+      code = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+      os.killpg(proc.pid, signal.SIGTERM)
+      try:
+        proc.wait(timeout=_KILL_GRACE_S)
+      except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+      return f"timed out after {timeout_s:g} s (log: {log_path})"
+  return None if code == 0 else f"exit code {code} (log: {log_path})"
+
+
+Runner = Callable[[List[str], str, float], Optional[str]]
+
+
+def check(header: Header, root: str, timeout_s: float,
+          runner: Runner = run_command) -> Result:
+  """Runs one flagfile's command in a fresh workdir; judges its promises."""
+  name = os.path.splitext(os.path.basename(header.path))[0]
+  workdir = os.path.join(root, name)
+  shutil.rmtree(workdir, ignore_errors=True)  # This tool's own: a fresh run.
+  os.makedirs(root, exist_ok=True)
+  start = time.monotonic()
+  failure = runner(prepared(header.command, workdir),
+                   os.path.join(root, f"{name}.log"), timeout_s)
+  result = Result(name, header.promises, [],
+                  seconds=time.monotonic() - start)
+  if failure is not None:
+    result.broken.append(failure)
+    return result
+  try:
+    with open(os.path.join(workdir, "summary.json"), encoding="utf-8") as f:
+      summary = json.load(f)
+  except (OSError, ValueError) as e:
+    result.broken.append(f"no readable summary.json ({e})")
+    return result
+  for promise in header.promises:
+    reason = promise.judge(summary)
+    if reason is not None:
+      result.broken.append(f"{promise}: {reason}")
+  return result
+
+
+def table(results: Sequence[Result]) -> str:
+  """A markdown table of the results."""
+  lines = ["| flagfile | promise | minutes | verdict |",
+           "| --- | --- | --- | --- |"]
+  for r in results:
+    verdict = "kept" if r.kept else "BROKEN: " + "; ".join(r.broken)
+    lines.append(f"| {r.name} | {'; '.join(map(str, r.promises))} "
+                 f"| {r.seconds / 60:.1f} | {verdict} |")
+  return "\n".join(lines)
+
+
+def record(page: str, results: Sequence[Result], when: datetime.datetime,
+           machine: str) -> None:
+  """Replaces what follows `page`'s `## Last results` heading."""
+  head = _results_section(page)
+  body = (f"{RESULTS_HEADING}\n\n`make check-flagfiles` on "
+          f"{when:%Y-%m-%d %H:%M} UTC, {machine}:\n\n{table(results)}\n")
+  with open(page, "w", encoding="utf-8") as f:
+    f.write(head + body)
+
+
+def _results_section(page: str) -> str:
+  """The text of `page` before its `## Last results` heading.
+
+  Raises:
+    InputError: the page has no such heading.
+  """
+  with open(page, encoding="utf-8") as f:
+    head, found, _ = f.read().partition(RESULTS_HEADING)
+  if not found:
+    raise InputError(f"{page} has no '{RESULTS_HEADING}' heading; add it "
+                      "where the results should go")
+  return head
+
+
+def flagfiles(only: Sequence[str]) -> List[str]:
+  """The flagfiles to check, by name (`only`: a subset)."""
+  names = sorted(f for f in os.listdir(CONFIGS) if f.endswith(".flags"))
+  if only:
+    unknown = set(only) - {os.path.splitext(n)[0] for n in names}
+    if unknown:
+      raise InputError(f"--only names no flagfile: {', '.join(sorted(unknown))}"
+                        f"; choose from {CONFIGS}/*.flags")
+    names = [n for n in names if os.path.splitext(n)[0] in only]
+  return [os.path.join(CONFIGS, n) for n in names]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  parser = argparse.ArgumentParser(
+      prog="python -m tools.check_flagfiles",
+      description="Run each experiment flagfile as its header says and check "
+      "its '# promise:' lines.")
+  parser.add_argument("--only", default="", help="Comma-separated flagfile "
+                      "names (without .flags); default: all.")
+  parser.add_argument("--root", default=os.path.join("runs", "check_flagfiles"),
+                      help="Where the workdirs and logs go.")
+  parser.add_argument("--timeout_s", type=float, default=1800.0,
+                      help="Stop a run after this long (a broken promise).")
+  parser.add_argument("--record", default="", help="A page whose "
+                      f"'{RESULTS_HEADING}' section gets the table.")
+  parser.add_argument("--machine", default=f"{os.cpu_count()} cores",
+                      help="How the record describes the machine.")
+  args = parser.parse_args(argv)
+  try:
+    headers = [read_header(p) for p in
+               flagfiles([n for n in args.only.split(",") if n])]
+    if args.record:  # Refused before hours of training, not after.
+      _results_section(args.record)
+  except (InputError, OSError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  results = []
+  for header in headers:
+    if header.command is None:
+      continue  # Only nested by the others.
+    print(f"[check_flagfiles] {os.path.basename(header.path)} ...", flush=True)
+    results.append(check(header, args.root, args.timeout_s))
+    print(table(results[-1:]).splitlines()[-1], flush=True)
+    if args.record:  # After each run: a stopped check keeps what it found.
+      record(args.record, results, _now(), args.machine)
+  print(table(results))
+  return 0 if all(r.kept for r in results) else 1
+
+
+def _now() -> datetime.datetime:
+  return datetime.datetime.now(datetime.timezone.utc)
+
+
+if __name__ == "__main__":
+  sys.exit(main())
