@@ -166,15 +166,25 @@ def test_the_record_replaces_only_the_last_results(tmp_path):
   result = cf.Result("x", [cf.Promise("eval_accuracy", ">=", 0.97, 600)], [],
                      seconds=90.0)
   when = datetime.datetime(2026, 12, 3, 12, 45)
-  cf.record(page, [result], when, "2 cores")
+  pending = cf.read_header(_write(tmp_path, HEADER, "y.flags"))
+  cf.record(page, [result], when, "2 cores", [pending])
   with open(page) as f:
     text = f.read()
   assert text.startswith("# Title\n\nText.\n\n## Last results\n\n")
   assert "Old." not in text
   assert "on 2026-12-03 12:45 UTC, 2 cores" in text
-  assert "| x | eval_accuracy >= 0.97 at step 600 | 1.5 | kept |" in text
+  assert text.endswith(
+      "| x | eval_accuracy >= 0.97 at step 600 | 1.5 | kept |\n"
+      "| y | eval_accuracy >= 0.97 at step 600; memory_held_mb <= 3.7 at "
+      "step 600 | – | not run |\n")
   with pytest.raises(cf.InputError, match="no '## Last results' heading"):
     cf.record(_write(tmp_path, "# Title\n", "bare.md"), [result], when, "")
+
+
+def test_only_names_flagfiles_in_its_order(monkeypatch):
+  monkeypatch.chdir(REPO)
+  assert cf.flagfiles(["ps", "default"]) == [
+      "experiments/configs/ps.flags", "experiments/configs/default.flags"]
 
 
 def test_bad_input_is_one_line_and_exit_2(monkeypatch, capsys):

@@ -177,7 +177,7 @@ Runner = Callable[[List[str], str, float], Optional[str]]
 def check(header: Header, root: str, timeout_s: float,
           runner: Runner = run_command) -> Result:
   """Runs one flagfile's command in a fresh workdir; judges its promises."""
-  name = os.path.splitext(os.path.basename(header.path))[0]
+  name = _name(header.path)
   workdir = os.path.join(root, name)
   shutil.rmtree(workdir, ignore_errors=True)  # This tool's own: a fresh run.
   os.makedirs(root, exist_ok=True)
@@ -202,23 +202,31 @@ def check(header: Header, root: str, timeout_s: float,
   return result
 
 
-def table(results: Sequence[Result]) -> str:
-  """A markdown table of the results."""
+def _name(path: str) -> str:
+  return os.path.splitext(os.path.basename(path))[0]
+
+
+def table(results: Sequence[Result], pending: Sequence[Header] = ()) -> str:
+  """A markdown table of the results, then of the flagfiles not run yet."""
   lines = ["| flagfile | promise | minutes | verdict |",
            "| --- | --- | --- | --- |"]
   for r in results:
     verdict = "kept" if r.kept else "BROKEN: " + "; ".join(r.broken)
     lines.append(f"| {r.name} | {'; '.join(map(str, r.promises))} "
                  f"| {r.seconds / 60:.1f} | {verdict} |")
+  for h in pending:
+    lines.append(f"| {_name(h.path)} | {'; '.join(map(str, h.promises))} "
+                 "| – | not run |")
   return "\n".join(lines)
 
 
 def record(page: str, results: Sequence[Result], when: datetime.datetime,
-           machine: str) -> None:
+           machine: str, pending: Sequence[Header] = ()) -> None:
   """Replaces what follows `page`'s `## Last results` heading."""
   head = _results_section(page)
   body = (f"{RESULTS_HEADING}\n\n`make check-flagfiles` on "
-          f"{when:%Y-%m-%d %H:%M} UTC, {machine}:\n\n{table(results)}\n")
+          f"{when:%Y-%m-%d %H:%M} UTC, {machine}:\n\n"
+          f"{table(results, pending)}\n")
   with open(page, "w", encoding="utf-8") as f:
     f.write(head + body)
 
@@ -238,15 +246,16 @@ def _results_section(page: str) -> str:
 
 
 def flagfiles(only: Sequence[str]) -> List[str]:
-  """The flagfiles to check, by name (`only`: a subset)."""
-  names = sorted(f for f in os.listdir(CONFIGS) if f.endswith(".flags"))
+  """The flagfiles to check: all, by name, or those `only` names, in its
+  order."""
+  names = sorted(_name(f) for f in os.listdir(CONFIGS) if f.endswith(".flags"))
   if only:
-    unknown = set(only) - {os.path.splitext(n)[0] for n in names}
+    unknown = [n for n in only if n not in names]
     if unknown:
-      raise InputError(f"--only names no flagfile: {', '.join(sorted(unknown))}"
-                        f"; choose from {CONFIGS}/*.flags")
-    names = [n for n in names if os.path.splitext(n)[0] in only]
-  return [os.path.join(CONFIGS, n) for n in names]
+      raise InputError(f"--only names no flagfile: {', '.join(unknown)}; "
+                       f"choose from {CONFIGS}/*.flags")
+    names = list(only)
+  return [os.path.join(CONFIGS, n + ".flags") for n in names]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -255,7 +264,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       description="Run each experiment flagfile as its header says and check "
       "its '# promise:' lines.")
   parser.add_argument("--only", default="", help="Comma-separated flagfile "
-                      "names (without .flags); default: all.")
+                      "names (without .flags), run in that order; default: "
+                      "all.")
   parser.add_argument("--root", default=os.path.join("runs", "check_flagfiles"),
                       help="Where the workdirs and logs go.")
   parser.add_argument("--timeout_s", type=float, default=1800.0,
@@ -273,15 +283,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   except (InputError, OSError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  runnable = [h for h in headers if h.command is not None]  # base: nested.
   results = []
-  for header in headers:
-    if header.command is None:
-      continue  # Only nested by the others.
+  for i, header in enumerate(runnable):
     print(f"[check_flagfiles] {os.path.basename(header.path)} ...", flush=True)
     results.append(check(header, args.root, args.timeout_s))
     print(table(results[-1:]).splitlines()[-1], flush=True)
     if args.record:  # After each run: a stopped check keeps what it found.
-      record(args.record, results, _now(), args.machine)
+      record(args.record, results, _now(), args.machine, runnable[i + 1:])
   print(table(results))
   return 0 if all(r.kept for r in results) else 1
 
