@@ -158,8 +158,8 @@ def test_a_compressor_that_cannot_take_buckets_says_so(small_config,
     configure.validate(small_config(
         num_devices=2, allreduce_compression=compression,
         allreduce_bucket_mb=1.0), Cluster())
-  # Built past the check, tiny buckets change nothing: each call of its
-  # (PowerSGD's: of several tensors, each above the bucket) is one
+  # Built past the check, tiny buckets change nothing: each of its calls
+  # (PowerSGD's: several tensors, well above a tiny bucket together) is one
   # collective of all it hands over.
   config = small_config(num_devices=2, allreduce_compression=compression,
                         allreduce_bucket_mb=TINY_BUCKET_MB)
