@@ -4,25 +4,22 @@ r"""Runs every experiment flagfile as its header says and checks its promise.
     python -m tools.check_flagfiles [--only=default,ps] [--timeout_s=1800] \
         [--root=runs/check_flagfiles] [--record=docs/flagfiles.md]
 
-A flagfile in experiments/configs/ is an experiment record (README, "Experiment
-flagfiles"): its header gives the command to run and what to expect. The
-expectation a machine can check is one or more lines
+What it checks and the last results: docs/flagfiles.md. Why it works so:
 
-    # promise: eval_accuracy >= 0.97 at step 600
-
-each a summary.json key, `>=` or `<=`, a number, and the step the run ends
-at. For each flagfile whose header has a command (base.flags only nests),
-this tool runs the header's first command (`python` is this interpreter, the
-`--workdir` a fresh directory under `--root`), bounded by `--timeout_s`,
-then reads WORKDIR/summary.json: a promise is kept if `final_step` is its
-step and the key's value is on the promised side. It prints one table and
-exits 1 if a promise was broken, a run failed, or a header with a command
-has no promise. `--record=PAGE` also writes the table, dated, into PAGE
-below its `## Last results` heading (docs/flagfiles.md).
-
-It trains every experiment in full, one after another: tens of minutes of
-CPU, which is why it is not part of `make test`. The header's command is
-run as written: a flagfile that needs an extension module names it there.
+* A flagfile is the record of an experiment, so the check runs the
+  command its header gives, as written (only `python` becomes this
+  interpreter): a flagfile that needs a user module or a launcher says so
+  there, and the check needs no knowledge of its own.
+* Each run gets a fresh workdir under `--root` (this tool's own, removed
+  first): the same workdir again would resume the finished run and train
+  nothing.
+* Each run is a process group bounded by `--timeout_s`, then SIGTERM, then
+  SIGKILL: a launcher's tasks go with it, and a hung run is a broken
+  promise, not a hung check.
+* The record is rewritten after every run, so a check stopped half-way
+  still leaves what it found, and lists the rest as not run.
+* It trains every experiment in full, one after another: tens of minutes
+  of CPU, which is why it is not part of `make test`.
 """
 
 import argparse
