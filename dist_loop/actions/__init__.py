@@ -2,8 +2,8 @@
 
 `base.py` says what an action is. A run's list, from `standard(config,
 inputs)`, in the order they run after a loop: the graph trace, the profile,
-the log line, histograms, evaluation, the checkpoint and, at the end,
-summary.json. What the actions need from the run reaches them through
+the log line, histograms, evaluation, the checkpoint, goodput and, at the
+end, summary.json. What the actions need from the run reaches them through
 `Inputs`, built by `dist_loop/train.py`: callables and values, never the
 trainer, so each action can be tested alone with fakes.
 """
@@ -16,11 +16,12 @@ from dist_loop.actions.base import Action, Loop
 from dist_loop.actions.checkpoint import Checkpoint
 from dist_loop.actions.diagnostics import Histograms, Profile, TraceGraph
 from dist_loop.actions.evaluate import Evaluate
+from dist_loop.actions.goodput import Goodput
 from dist_loop.actions.log import Log
 from dist_loop.actions.summary import Part, Summary
 from dist_loop.memory import peak_memory_mb
 
-__all__ = ["Action", "Checkpoint", "Evaluate", "Histograms", "Inputs", "Log",
+__all__ = ["Action", "Checkpoint", "Evaluate", "Goodput", "Histograms", "Inputs", "Log",
            "Loop", "Profile", "Summary", "TraceGraph", "standard"]
 
 
@@ -46,6 +47,7 @@ class Inputs:
     summary_path: where summary.json goes, or None (not the chief).
     summary_parts: more summary.json entries (the mode's, the rollbacks).
     previous: the summary.json the workdir holds from an earlier run, or {}.
+    goodput: the attempt's `goodput.Recorder`, or None (no goodput).
   """
 
   summaries: Any
@@ -64,6 +66,7 @@ class Inputs:
   summary_path: Optional[str] = None
   summary_parts: Sequence[Part] = ()
   previous: Mapping[str, object] = dataclasses.field(default_factory=dict)
+  goodput: Any = None
 
 
 def standard(config, inputs: Inputs) -> List[Action]:
@@ -88,12 +91,17 @@ def standard(config, inputs: Inputs) -> List[Action]:
                       summaries)
   out.append(evaluate)
   out.append(Checkpoint(config.checkpoint_every, inputs.checkpointer))
+  goodput = []
+  if inputs.goodput is not None:
+    goodput = [Goodput(config.log_every, inputs.goodput, summaries)]
+    out += goodput
   parts = [lambda: {"mode": config.mode, "num_devices": config.num_devices},
            log.summary, evaluate.summary, *inputs.summary_parts,
            lambda: {k.replace("memory/", "memory_"): v
                     for k, v in peak_memory_mb(inputs.devices).items()},
            divergence.Verdict(log, evaluate,
-                              config.diverged_loss_ratio).summary]
+                              config.diverged_loss_ratio).summary,
+           *(action.summary for action in goodput)]
   out.append(Summary(inputs.summary_path, summaries, parts,
                      lambda: inputs.checkpointer.saved_step))
   return out

@@ -9,6 +9,7 @@ class Checkpoint(Action):
   latest checkpoint already is of `step`)."""
 
   at_end = True
+  phase = "checkpoint"
 
   def __init__(self, every: int, checkpointer):
     self.every = every
