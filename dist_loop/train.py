@@ -116,7 +116,7 @@ def _train(config, trainer, dataset, cluster, flags_text, record):
   workdir = config.workdir
   checkpointer = checkpoints.Checkpointer(
       trainer.checkpoint_items(), workdir, config.max_checkpoints,
-      trainer.is_chief, cluster.task_index)
+      trainer.is_chief, cluster.task_index, config.async_checkpoint)
   clock, record_name = record
   clock.lap("build")
   restored = checkpointer.restore(trainer.scope())
@@ -152,6 +152,7 @@ def _train(config, trainer, dataset, cluster, flags_text, record):
                    if isinstance(a, actions.Summary)).written
     completed = True
   finally:
+    checkpointer.close()  # An error ends the run: its save still completes.
     recorder.write(final=completed)
     summaries.close()
   if summary.get("diverged"):

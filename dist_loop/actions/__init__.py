@@ -33,7 +33,7 @@ class Inputs:
     summaries: the run's `Summaries`.
     evaluator: has `evaluate() -> {"eval/<name>": value}`.
     scope: returns the context the master variables are read under.
-    checkpointer: has `save(step)` and `saved_step`.
+    checkpointer: has `save(step)`, `wait()` and `saved_step`.
     metric_names: the task's metrics (the progress line).
     reported_names: what the task reports, derived metrics included
       (summary.json's `train_<name>`).
@@ -90,7 +90,8 @@ def standard(config, inputs: Inputs) -> List[Action]:
   evaluate = Evaluate(config.eval_every, inputs.evaluator, inputs.scope,
                       summaries)
   out.append(evaluate)
-  out.append(Checkpoint(config.checkpoint_every, inputs.checkpointer))
+  out.append(Checkpoint(config.checkpoint_every, inputs.checkpointer,
+                        config.train_steps))
   goodput = []
   if inputs.goodput is not None:
     goodput = [Goodput(config.log_every, inputs.goodput, summaries)]

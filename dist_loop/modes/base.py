@@ -64,6 +64,9 @@ class Trainer(abc.ABC):
   # Honours --max_loss: passes it to its step's guard (`step.above_bound`,
   # through the loop base, the async `Applier` or the ps `LockedUpdate`).
   checks_max_loss = False
+  # Its checkpoint items are variables TensorFlow's background save can copy
+  # to the host (--async_checkpoint): every mode on one machine's devices.
+  async_checkpoints = True
 
   model: keras.Sequential
   optimizer: keras.optimizers.Optimizer
@@ -103,6 +106,10 @@ class Trainer(abc.ABC):
     if config.max_loss and not cls.checks_max_loss:
       raise UserError(f"--max_loss is not supported in --mode={config.mode}; "
                       "drop it (or use --max_loss=0)")
+    if config.async_checkpoint and not cls.async_checkpoints:
+      raise UserError(f"--async_checkpoint is not supported in --mode="
+                      f"{config.mode}; drop it (checkpoints are then written "
+                      "while training waits)")
     if config.grad_accum_steps > 1 and not cls.grad_accumulation:
       raise UserError(f"--grad_accum_steps is not supported in "
                       f"--mode={config.mode}; use --grad_accum_steps=1, or a "

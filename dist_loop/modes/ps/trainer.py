@@ -68,6 +68,9 @@ class PSTrainer(Trainer, Reporting):
   multi_process = True
   precisions = precision_lib.PRECISIONS  # float16: see update.py.
   checks_max_loss = True
+  # Its variables live on the parameter servers: a background save of them
+  # is not supported (nor tested) here.
+  async_checkpoints = False
 
   # -- before TensorFlow starts --
 
