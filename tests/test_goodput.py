@@ -7,9 +7,10 @@ import os
 
 import pytest
 
-from conftest import read_events
+from conftest import read_events, run_tool
 from dist_loop import goodput, train
 from dist_loop.summaries import LOGDIR
+from tools import goodput as goodput_tool
 
 
 class _Clock(goodput.Clock):
@@ -100,7 +101,33 @@ def test_a_run_and_its_resume_record_where_the_time_went(small_config):
       phases + written["goodput_downtime_s"])
   assert 0 < written["goodput"] < 1
   assert written["goodput_downtime_s"] > 0
+  plot = os.path.join(os.path.dirname(config.workdir), "goodput.png")
+  result = run_tool("tools.goodput", config.workdir, f"--plot={plot}",
+                    "--expected_failure_interval_s=600")
+  assert result.returncode == 0, result.stderr[-2000:]
+  lines = result.stdout.splitlines()
+  assert [line.split(" | ")[0] for line in lines if line.startswith(
+      "| chief") or line.startswith("| total")] == [
+          "| chief 1", "| chief 2", "| total"]
+  best = goodput.optimal_interval_s(
+      written["goodput_checkpoint_s"] / sum(a["saves"] for a in attempts),
+      600)
+  assert f"the best interval is {best:.1f} s" in result.stdout
+  assert os.path.getsize(plot) > 0
   events = read_events(os.path.join(config.workdir, LOGDIR))
   assert set(events["train/goodput/goodput"]) == {5, 10, 15, 20}
   assert events["train/goodput/productive_s"][20] == pytest.approx(
       written["goodput_productive_s"], rel=0.05)
+
+
+def test_bad_input_to_the_tool_is_one_line_and_exit_code_2(tmp_path):
+  with pytest.raises(goodput_tool.BadInput, match="not a directory"):
+    goodput_tool.load(str(tmp_path / "missing"))
+  with pytest.raises(goodput_tool.BadInput, match="holds no goodput record"):
+    goodput_tool.load(str(tmp_path))
+  (tmp_path / goodput.GOODPUT_FILE).write_text("garbage\n")
+  result = run_tool("tools.goodput", str(tmp_path), "--plot=")
+  assert result.returncode == 2
+  assert result.stderr.strip().splitlines() == [
+      f"error: {tmp_path / goodput.GOODPUT_FILE}, line 1: not a goodput "
+      "record (JSONDecodeError); move the file aside to read the others"]
