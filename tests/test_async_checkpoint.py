@@ -19,8 +19,9 @@ from tensorflow.python.framework import config as tf_config  # pylint: disable=g
 
 from conftest import REPO, max_diff, run_main
 from controller_fakes import FakeCheckpointer, FakeTrainer
-from dist_loop import actions, checkpoints, goodput, make_config, train
-from dist_loop.errors import UserError
+from dist_loop import actions, checkpoints, goodput, make_config, preemption
+from dist_loop import train
+from dist_loop.errors import Interrupted, UserError
 
 STEPS = 30
 RUN = dict(dataset="synthetic", model="mlp", global_batch_size=32,
@@ -172,6 +173,30 @@ def test_a_failed_background_write_is_one_line_and_leaves_the_previous(
   assert tf.train.latest_checkpoint(index).endswith("ckpt-1")
   assert sorted(os.listdir(index)) == ["checkpoint", "ckpt-1.data-00000-of-"
                                        "00001", "ckpt-1.index"]
+
+
+def test_a_preempted_run_exits_with_its_last_save_indexed(
+    small_config, monkeypatch):
+  """SIGTERM's stop (asked after the fourth loop: 0-1, 1-5, 5-10, 10-15)
+  saves in the
+  background and waits: when the run has stopped, the index names step 15,
+  though each background write takes a second longer. Both waits, for the
+  save of step 10 and for that of 15, are on the record as checkpoint time
+  (the stop's own wait, not only the one as the run closes)."""
+  _slow_background_writes(monkeypatch, 1.0)
+  asked = []
+  monkeypatch.setattr(preemption.Sigterm, "requested",
+                      lambda self: asked.append(1) or len(asked) == 4)
+  config = small_config(train_steps=40, checkpoint_every=10,
+                        async_checkpoint=True)
+  with pytest.raises(Interrupted) as stopped:
+    train.run(config)
+  assert stopped.value.saved and stopped.value.step == 15
+  index = os.path.join(config.workdir, "checkpoints")
+  assert tf.train.latest_checkpoint(index).endswith("ckpt-15")
+  [attempt] = goodput.read(os.path.join(config.workdir, goodput.GOODPUT_FILE))
+  assert not attempt["final"] and attempt["step"] == 15
+  assert attempt["phases"]["checkpoint"] >= 2.0
 
 
 def test_the_checkpoint_action_waits_at_the_end_and_when_stopped():
