@@ -116,6 +116,39 @@ def test_sigkill_inside_an_async_save_then_resume_equals_uninterrupted(
   assert summary["goodput_attempts"] == 2
 
 
+def _tensors(path):
+  """Every tensor of a checkpoint but TensorFlow's own save counter."""
+  reader = tf.train.load_checkpoint(path)
+  return {k: reader.get_tensor(k) for k in reader.get_variable_to_shape_map()
+          if not k.startswith(("save_counter", "_CHECKPOINTABLE"))}
+
+
+@pytest.mark.parametrize("flat", [
+    dict(mode="pipeline", num_devices=2, num_stages=2, num_microbatches=4),
+    dict(mode="sync", num_devices=2, precision="mixed_float16"),
+], ids=["pipeline", "sync_float16"])
+def test_a_background_save_holds_what_a_synchronous_one_holds(
+    small_config, tmp_path, flat):
+  """Each checkpoint of an --async_checkpoint run, tensor by tensor, equals
+  the synchronous run's of the same step (a loss scale included)."""
+  paths = {}
+  for name, more in (("sync", {}), ("async", dict(async_checkpoint=True))):
+    config = small_config(workdir=str(tmp_path / name), checkpoint_every=5,
+                          max_checkpoints=10, deterministic=True, **flat,
+                          **more)
+    try:
+      train.run(config)
+    finally:
+      tf_config.disable_op_determinism()
+    paths[name] = os.path.join(config.workdir, "checkpoints")
+  for step in (5, 10):
+    saved = {n: _tensors(os.path.join(p, f"ckpt-{step}"))
+             for n, p in paths.items()}
+    assert sorted(saved["sync"]) == sorted(saved["async"])
+    for key, value in saved["sync"].items():
+      np.testing.assert_array_equal(value, saved["async"][key], err_msg=key)
+
+
 def _slow_background_writes(monkeypatch, seconds):
   """Background writes take `seconds` longer, before the index names them."""
   save = tf_checkpoint.TrackableSaver.save
@@ -213,9 +246,18 @@ def test_the_checkpoint_action_waits_at_the_end_and_when_stopped():
   assert checkpointer.waited == [23, 30]
 
 
-def test_ps_refuses_async_checkpoints_in_one_line(tmp_path):
-  code, _, err = run_main("--mode=ps", f"--workdir={tmp_path / 'run'}",
+@pytest.mark.parametrize("flags,why", [
+    (["--mode=ps"], "--mode=ps keeps its variables on the parameter servers"),
+    (["--mode=local_sgd"], "--mode=local_sgd checkpoints each replica's"),
+    (["--shard=optimizer"], "--shard=optimizer checkpoints optimizer slots"),
+    (["--allreduce_compression=topk"],
+     "--allreduce_compression=topk checkpoints each replica's own"),
+])
+def test_state_the_background_save_cannot_copy_is_refused_in_one_line(
+    tmp_path, flags, why):
+  code, _, err = run_main(*flags, f"--workdir={tmp_path / 'run'}",
                           "--async_checkpoint")
   assert code != 0
-  assert "--async_checkpoint is not supported in --mode=ps" in err
+  [line] = [l for l in err.splitlines() if "async_checkpoint" in l]
+  assert f"--async_checkpoint cannot be used here: {why}" in line, err
   assert "Traceback" not in err and not (tmp_path / "run").exists()

@@ -68,11 +68,14 @@ class PSTrainer(Trainer, Reporting):
   multi_process = True
   precisions = precision_lib.PRECISIONS  # float16: see update.py.
   checks_max_loss = True
-  # Its variables live on the parameter servers: a background save of them
-  # is not supported (nor tested) here.
-  async_checkpoints = False
 
   # -- before TensorFlow starts --
+
+  @classmethod
+  def async_checkpoint_refusal(cls, config):
+    del config
+    return ("--mode=ps keeps its variables on the parameter servers, which "
+            "the background save does not copy")
 
   @classmethod
   def num_replicas(cls, config, cluster) -> int:
