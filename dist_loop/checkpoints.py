@@ -143,11 +143,12 @@ class Checkpointer:
     logging.info("step %d  saved checkpoint %s", step, path)
 
   def close(self) -> None:
-    """Waits for a save in flight as a run ends early: a failure is a
-    warning, since the error that ends the run stands."""
+    """Waits for a save in flight as a run ends early: a failure (a full
+    disk, a lost peer) is a warning, since the error that ends the run
+    stands."""
     try:
       self.wait()
-    except UserError as e:
+    except (UserError, tf.errors.OpError) as e:
       logging.warning("%s", e)
 
   def restore(self, scope) -> Optional[str]:
