@@ -95,11 +95,15 @@ class Controller:
   def _loops(self, step: int) -> int:
     while step < self.train_steps:
       target = self._next_stop(step)
+      t0 = time.perf_counter()
       try:
         loop = self._train(step, target)
       except NonFiniteError as e:
         if self.recovery is None:
           raise
+        if self.goodput is not None:  # Trained to the bad step: lost work.
+          self.goodput.loop(step, max(int(e.step), step),
+                            time.perf_counter() - t0)
         t0 = time.perf_counter()
         self.recovery.recover(e)  # Raises, or rolled back.
         step = self._step()

@@ -17,11 +17,12 @@ import tensorflow as tf
 from tensorflow.python.checkpoint import checkpoint as tf_checkpoint  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.framework import config as tf_config  # pylint: disable=g-direct-tensorflow-import
 
-from conftest import REPO, max_diff, run_main
+from conftest import REPO, checkpoint_variables, max_diff, run_main
 from controller_fakes import FakeCheckpointer, FakeTrainer
 from dist_loop import actions, checkpoints, goodput, make_config, preemption
 from dist_loop import train
-from dist_loop.errors import Interrupted, UserError
+from dist_loop.errors import Interrupted, NonFiniteError, UserError
+from dist_loop.modes.sync import SyncTrainer
 
 STEPS = 30
 RUN = dict(dataset="synthetic", model="mlp", global_batch_size=32,
@@ -181,6 +182,38 @@ def test_restore_and_the_next_save_wait_for_the_save_in_flight(
   assert checkpointer.manager.checkpoints[-1].endswith("ckpt-2")
   checkpointer.wait()
   assert tf.train.latest_checkpoint(index).endswith("ckpt-3")
+
+
+def test_a_rollback_right_after_a_background_save_restores_it(
+    small_config, tmp_path, monkeypatch):
+  """The 4th inner loop (steps 4-6) fails once after its updates, while
+  checkpoint 4 is still being written (each write takes half a second
+  longer): the rollback waits for it, restores it, and the run ends where
+  an uninterrupted one with synchronous saves does."""
+  run = dict(train_steps=12, checkpoint_every=4, steps_per_loop=2,
+             log_every=2, optimizer="adam", learning_rate=0.01,
+             nonfinite="rollback", num_devices=2)
+  clean = small_config(workdir=str(tmp_path / "clean"), **run)
+  train.run(clean)
+  _slow_background_writes(monkeypatch, 0.5)
+  original, calls = SyncTrainer.train, []
+
+  def flaky(self, n):
+    calls.append(n)
+    if len(calls) == 4:
+      original(self, n)
+      raise NonFiniteError(int(self.step.numpy()))
+    return original(self, n)
+
+  monkeypatch.setattr(SyncTrainer, "train", flaky)
+  faulty = small_config(workdir=str(tmp_path / "faulty"),
+                        async_checkpoint=True, **run)
+  summary = train.run(faulty)
+  assert summary["rollbacks"] == 1 and summary["final_step"] == 12
+  assert max_diff(checkpoint_variables(clean),
+                  checkpoint_variables(faulty)) <= 1e-6
+  [attempt] = goodput.read(os.path.join(faulty.workdir, goodput.GOODPUT_FILE))
+  assert attempt["steps"]["recomputed"] == 2  # Steps 5 and 6, again.
 
 
 def test_a_failed_background_write_is_one_line_and_leaves_the_previous(
