@@ -21,8 +21,9 @@ from dist_loop.actions.log import Log
 from dist_loop.actions.summary import Part, Summary
 from dist_loop.memory import peak_memory_mb
 
-__all__ = ["Action", "Checkpoint", "Evaluate", "Goodput", "Histograms", "Inputs", "Log",
-           "Loop", "Profile", "Summary", "TraceGraph", "standard"]
+__all__ = ["Action", "Checkpoint", "Evaluate", "Goodput", "Histograms",
+           "Inputs", "Log", "Loop", "Profile", "Summary", "TraceGraph",
+           "standard"]
 
 
 @dataclasses.dataclass(frozen=True)
