@@ -19,10 +19,12 @@ from tensorflow.python.framework import config as tf_config  # pylint: disable=g
 
 from conftest import REPO, checkpoint_variables, max_diff, run_main
 from controller_fakes import FakeCheckpointer, FakeTrainer
-from dist_loop import actions, checkpoints, goodput, make_config, preemption
+from dist_loop import make_config
 from dist_loop import train
-from dist_loop.errors import Interrupted, NonFiniteError, UserError
-from dist_loop.modes.sync import SyncTrainer
+from dist_loop.control import actions
+from dist_loop.core.errors import Interrupted, NonFiniteError, UserError
+from dist_loop.parallel.modes.sync import SyncTrainer
+from dist_loop.runtime import checkpoints, goodput, preemption
 
 STEPS = 30
 RUN = dict(dataset="synthetic", model="mlp", global_batch_size=32,
@@ -102,8 +104,8 @@ def test_sigkill_inside_an_async_save_then_resume_equals_uninterrupted(
   for step in (20, STEPS):
     path = f"checkpoints/ckpt-{step}"
     assert max_diff(
-        checkpoints.load_model(config, str(workdir / path)).trainable_variables,
-        checkpoints.load_model(config, str(whole / path)).trainable_variables,
+        weights.load_model(config, str(workdir / path)).trainable_variables,
+        weights.load_model(config, str(whole / path)).trainable_variables,
     ) == 0.0
   attempts = goodput.read(str(workdir / goodput.GOODPUT_FILE))
   assert [a["restored"] for a in attempts] == [0, 10]

@@ -8,8 +8,9 @@ import os
 import pytest
 
 from conftest import read_events, run_tool
-from dist_loop import goodput, train
-from dist_loop.summaries import LOGDIR
+from dist_loop import train
+from dist_loop.runtime import goodput
+from dist_loop.runtime.summaries import LOGDIR
 from tools import goodput as goodput_tool
 
 

@@ -14,9 +14,10 @@ import keras
 import pytest
 import tensorflow as tf
 
-from dist_loop import configure, data, devices, make_config
-from dist_loop.cluster import Cluster
-from dist_loop.modes import build_trainer
+from dist_loop import configure, data, make_config
+from dist_loop.parallel.modes import build_trainer
+from dist_loop.runtime import devices
+from dist_loop.runtime.cluster import Cluster
 
 
 @pytest.fixture

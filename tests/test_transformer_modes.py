@@ -25,9 +25,10 @@ import numpy as np
 import pytest
 
 from conftest import max_diff
-from dist_loop import configure, data, devices, make_config
-from dist_loop.cluster import Cluster
-from dist_loop.modes import build_trainer
+from dist_loop import configure, data, make_config
+from dist_loop.parallel.modes import build_trainer
+from dist_loop.runtime import devices
+from dist_loop.runtime.cluster import Cluster
 
 STEPS = 3
 TOLERANCE = 1e-5

@@ -4,7 +4,7 @@ r"""Where a run's time went, over every attempt: one table per run, a plot.
         [--expected_failure_interval_s=3600]
 
 For each WORKDIR it reads the goodput records its processes appended
-(`goodput.jsonl`, `goodput.worker-1.jsonl`, ...; `dist_loop/goodput.py`
+(`goodput.jsonl`, `goodput.worker-1.jsonl`, ...; `dist_loop/runtime/goodput.py`
 says what each phase is) and prints a markdown table: one row per attempt
 of each process (seconds per phase, the downtime before it, its goodput)
 and the run's total. Below it, Young/Daly: from the measured blocking time
@@ -22,7 +22,7 @@ from typing import Dict, List, Optional
 
 from absl import app, flags
 
-from dist_loop import goodput
+from dist_loop.runtime import goodput
 
 FLAGS = flags.FLAGS
 

@@ -14,7 +14,7 @@ and what start-up costs.
    worker SIGKILLed every `kill_every_s` if the run trained since the last
    kill (so that restarts slower than the interval still end), at most
    `max_kills` times; goodput and
-   its breakdown from the workdir's record (`dist_loop/goodput.py`).
+   its breakdown from the workdir's record (`dist_loop/runtime/goodput.py`).
 3. **Start-up** of 1 and 2 processes, by phase, from the record of a short
    run (the chief's first attempt).
 
@@ -36,7 +36,7 @@ from typing import Dict, List
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from dist_loop import goodput  # pylint: disable=g-import-not-at-top
+from dist_loop.runtime import goodput  # pylint: disable=g-import-not-at-top
 from tools.benchmarks import common  # pylint: disable=g-import-not-at-top
 
 TRANSFORMER = dict(dataset="pysource", model="transformer", seq_len=64,
@@ -85,7 +85,7 @@ def run(quick: bool = False) -> dict:
 
 def _blocking(settings, root: str) -> List[Dict]:
   """Per save, the seconds training waited: sync against async."""
-  from dist_loop import checkpoints, devices  # pylint: disable=g-import-not-at-top
+  from dist_loop.runtime import checkpoints, devices  # pylint: disable=g-import-not-at-top
   device_names = devices.configure(1, "cpu")
   flat = dict(settings["save_model"], train_steps=10**6)
   _, trainer = common.trainer(device_names[:1], flat)
