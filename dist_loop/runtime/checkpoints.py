@@ -29,7 +29,7 @@ import collections
 import os
 import threading
 import time
-from typing import Dict, Optional, Set
+from typing import Dict, Optional, Sequence, Set
 
 import tensorflow as tf
 from absl import logging
@@ -59,12 +59,15 @@ class Checkpointer:
     task_index: this process's index in its job (names a non-chief's
       temporary directory).
     async_save: write in the background (`--async_checkpoint`).
+    fresh: items not restored until the first save (the optimizer, after
+      an allowed change of --optimizer: its slots start fresh).
   """
 
   def __init__(self, items: Dict[str, object], workdir: str, max_to_keep: int,
                is_chief: bool = True, task_index: int = 0,
-               async_save: bool = False):
+               async_save: bool = False, fresh: Sequence[str] = ()):
     self.items = dict(items)
+    self.fresh = tuple(fresh)
     self.workdir = workdir
     self.manager = manager(items, workdir, max_to_keep, is_chief, task_index)
     self._options = None
@@ -105,6 +108,7 @@ class Checkpointer:
       raise  # A lost peer: `train.run` has the mode explain it.
     except (tf.errors.OpError, OSError) as e:
       raise self._failed(step, e) from None
+    self.fresh = ()  # Its checkpoints hold the new items.
     if self._options is not None:
       self._pending = (step, path, before)
       return path
@@ -156,8 +160,12 @@ class Checkpointer:
     """See `resume.restore_latest`; first waits for a save in flight (a
     rollback may come right after one)."""
     self.wait()
+    checkpoint = None
+    if self.fresh:
+      checkpoint = tf.train.Checkpoint(**{
+          k: v for k, v in self.items.items() if k not in self.fresh})
     path = resume.restore_latest(self.manager, scope, self.items,
-                                 self.workdir)
+                                 self.workdir, checkpoint)
     self._latest = path or self._latest
     return path
 
@@ -345,6 +353,12 @@ class WorkerTempManager:
       tf.io.gfile.rmtree(self._temp_directory)
 
 
+def latest(directory: str) -> Optional[str]:
+  """The newest checkpoint of `directory`: the one its index names, else
+  the newest `ckpt-N` found by name; None if there is none."""
+  return _indexed(directory) or (scan_checkpoints(directory) or [None])[-1]
+
+
 def _indexed(directory: str) -> Optional[str]:
   """The latest checkpoint the index names; None if it names none or
   cannot be read."""
@@ -352,23 +366,3 @@ def _indexed(directory: str) -> Optional[str]:
     return tf.train.latest_checkpoint(directory)
   except ValueError:  # Empty, or not text (UnicodeDecodeError).
     return None
-
-
-def load_model(config, path: Optional[str] = None):
-  """The run's model with the variables of its latest checkpoint (or `path`).
-
-  For evaluation, fine-tuning and tests: no strategy, no optimizer, float32.
-
-  Raises:
-    FileNotFoundError: the workdir holds no checkpoint.
-  """
-  dataset = data.load(config)
-  model = models.build(config.model, dataset.input_shape,
-                       dataset.num_classes, options=config.model_options)
-  directory = os.path.join(config.workdir, CHECKPOINT_DIR)
-  path = path or _indexed(directory) or (scan_checkpoints(directory)
-                                          or [None])[-1]
-  if path is None:
-    raise FileNotFoundError(f"no checkpoint in {config.workdir}")
-  tf.train.Checkpoint(model=model).restore(path).expect_partial()
-  return model
