@@ -21,7 +21,7 @@ from conftest import REPO, checkpoint_variables, max_diff, run_main
 from controller_fakes import FakeCheckpointer, FakeTrainer
 from dist_loop import make_config
 from dist_loop import train
-from dist_loop.control import actions
+from dist_loop.control import actions, weights
 from dist_loop.core.errors import Interrupted, NonFiniteError, UserError
 from dist_loop.parallel.modes.sync import SyncTrainer
 from dist_loop.runtime import checkpoints, goodput, preemption
