@@ -106,6 +106,7 @@ class FakeCheckpointer:
   def __init__(self, trainer, log):
     self.trainer, self.log = trainer, log
     self.saved = []
+    self.waited = []  # saved_step at each wait for a background save.
 
   @property
   def saved_step(self):
@@ -118,6 +119,9 @@ class FakeCheckpointer:
     self.saved.append(step)
     self.log.append(("save", step))
     return f"ckpt-{step}"
+
+  def wait(self):
+    self.waited.append(self.saved_step)
 
   def restore(self, scope):
     del scope
@@ -158,7 +162,7 @@ def inputs(trainer, log, summaries, checkpointer, evaluator=None,
       evaluator=evaluator or FakeEvaluator(trainer, log),
       scope=trainer.scope, checkpointer=checkpointer,
       metric_names=METRICS, reported_names=REPORTED,
-      learning_rate=lambda: trainer.learning_rate, devices=trainer.devices,
+      learning_rate=lambda step: trainer.learning_rate, devices=trainer.devices,
       report=trainer.report if isinstance(trainer, Reporting) else None,
       summary_path=summary_path)
   fields.update(overrides)

@@ -14,6 +14,7 @@ import tensorflow as tf
 from conftest import read_events
 from dist_loop import train
 from dist_loop import UserError, configure, data, models
+from dist_loop.control import weights
 from dist_loop.control.evaluation import Evaluator
 from dist_loop.core.errors import Interrupted
 from dist_loop.data import train_dataset_fn

@@ -12,6 +12,7 @@ import tensorflow as tf
 from conftest import REPO
 from dist_loop import configure, data
 from dist_loop import train
+from dist_loop.control import weights
 from dist_loop.core.config import parse_flagfile
 from dist_loop.core.errors import UserError
 from dist_loop.parallel.modes import build_trainer

@@ -1,7 +1,8 @@
 """Datasets (a name registry) and the sharded input pipeline."""
 
 from dist_loop.data import digits, mnist, synthetic, text  # Registers them.
-from dist_loop.data.base import DATASETS, Dataset, load
+from dist_loop.data.base import DATASETS, Dataset, given, gives, load
 from dist_loop.data.stream import eval_dataset, train_dataset_fn
 
-__all__ = ["DATASETS", "Dataset", "load", "eval_dataset", "train_dataset_fn"]
+__all__ = ["DATASETS", "Dataset", "given", "gives", "load", "eval_dataset",
+           "train_dataset_fn"]

@@ -25,6 +25,7 @@ from dist_loop.core.errors import UserError
 from dist_loop.core.registry import Registry
 from dist_loop.data import Dataset
 from dist_loop.runtime.cluster import Cluster
+from dist_loop.training import optim
 
 MODES: Registry = Registry("mode", "mode")
 
@@ -43,6 +44,7 @@ class Trainer(abc.ABC):
     model: the `keras.Sequential` holding the master variables; evaluation
       and checkpoints read it.
     optimizer: the optimizer whose slots are checkpointed.
+    recipe: the update's learning rate and clipping (`optim.Recipe`).
     step: int64 `tf.Variable`, the number of steps so far. A step moves it
       by one and applies one update, unless the step is skipped (its
       update was not applied: `train/skipped_steps`). In async and ps it
@@ -103,10 +105,25 @@ class Trainer(abc.ABC):
     if config.max_loss and not cls.checks_max_loss:
       raise UserError(f"--max_loss is not supported in --mode={config.mode}; "
                       "drop it (or use --max_loss=0)")
+    why = cls.async_checkpoint_refusal(config) if (
+        config.async_checkpoint) else None
+    if why:
+      raise UserError(f"--async_checkpoint cannot be used here: {why}. Drop "
+                      "it: checkpoints are then written while training "
+                      "waits")
     if config.grad_accum_steps > 1 and not cls.grad_accumulation:
       raise UserError(f"--grad_accum_steps is not supported in "
                       f"--mode={config.mode}; use --grad_accum_steps=1, or a "
                       "larger --global_batch_size")
+
+  @classmethod
+  def async_checkpoint_refusal(cls, config: Config) -> Optional[str]:
+    """Why `--async_checkpoint` cannot save this mode's checkpoint items, or
+    None. TensorFlow's background save copies variables to the host as it
+    starts; an item that is not a variable (a replica's own state, a sharded
+    slot's view) would be read later, from the writing thread."""
+    del config
+    return None
 
   @classmethod
   def join_cluster(cls, config: Config, cluster: Cluster) -> None:
@@ -135,6 +152,7 @@ class Trainer(abc.ABC):
     self.dataset = dataset
     self.cluster = cluster
     self.task = tasks.for_dataset(dataset)
+    self.recipe = optim.Recipe(config)
     self.examples_per_step = config.global_batch_size * config.grad_accum_steps
 
   @abc.abstractmethod
