@@ -1,6 +1,6 @@
 """Datasets (a name registry) and the sharded input pipeline."""
 
-from dist_loop.data import digits, mnist, synthetic, text  # Registers them.
+from dist_loop.data import digits, mnist, shards, synthetic, text  # Registers them.
 from dist_loop.data.base import DATASETS, Dataset, load
 from dist_loop.data.stream import eval_dataset, train_dataset_fn
 

@@ -95,6 +95,8 @@ def check(dataset: Dataset, name: str) -> None:
     where, fix = dataset.source, "replace the file with a valid one"
   else:
     where, fix = f"the loader of --dataset={name}", "fix that loader"
+  if hasattr(dataset.train_x, "train_dataset_fn"):
+    return  # Examples in files: checked against their manifest on loading.
   problem = _problem(dataset)
   if problem:
     raise UserError(f"{where}: {problem}; {fix}")
