@@ -98,7 +98,8 @@ def _run(config, flags_text, cluster):
       finally:
         trainer.close()
     except tf.errors.OpError as e:
-      error = mode.cluster_error(config, cluster, e)
+      error = (data.input_error(e)
+               or mode.cluster_error(config, cluster, e))
       if error is None:
         raise
       raise error from None

@@ -30,6 +30,7 @@ A record that does not match the spec stops the input with its file and
 index (`SPEC_ERROR` in the error's message: `describe_error`).
 """
 
+import re
 import threading
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -37,11 +38,13 @@ import numpy as np
 import tensorflow as tf
 
 from dist_loop.data import shard_format, stream
+from dist_loop.errors import UserError
 
 ORDERS = ("index_shuffle", "memory")
-SPEC_ERROR = "does not match the manifest's spec"
+SPEC_ERROR = "does not match the manifest spec"
 _no_autograph = stream.no_autograph
 _FOREVER = np.iinfo(np.int64).max
+_PAD = 498247692  # tf.random.experimental.index_shuffle's seed word.
 
 
 class Split:
@@ -98,6 +101,7 @@ class Split:
 
   def read(self, indices):
     """Records by global index (ArrayRecord): (serialized, files)."""
+    indices = tf.cast(indices, tf.int64)  # The in-memory order's are int32.
     serialized = tf.numpy_function(self._arrayrecords.read, [indices],
                                    tf.string, stateful=False)
     serialized.set_shape(indices.shape)
@@ -122,7 +126,8 @@ class Split:
       keys = tf.random.stateless_uniform(
           [len(counts)], seed=tf.stack([tf.constant(seed, tf.int64), e]))
       order = tf.argsort(keys)
-      skip_all = tf.where(e == first_epoch, offset, 0)
+      skip_all = tf.where(e == first_epoch, tf.constant(offset, tf.int64),
+                          tf.constant(0, tf.int64))
       ends = tf.cumsum(tf.gather(counts_t, order))
       skips = tf.clip_by_value(skip_all - (ends - tf.gather(counts_t, order)),
                                0, tf.gather(counts_t, order))
@@ -170,11 +175,14 @@ def shuffled_indices(n: int, seed: int, start: int) -> tf.data.Dataset:
   @_no_autograph
   def indices(positions):
     epoch, within = positions // n, positions % n
-    seeds = tf.stack([tf.fill(tf.shape(epoch), tf.constant(seed, tf.int64)),
+    # The raw op: its wrapper pads a per-element [n, 2] seed along the
+    # wrong axis. The first word is the one the wrapper adds to a [2] seed.
+    seeds = tf.stack([tf.fill(tf.shape(epoch), tf.constant(_PAD, tf.int64)),
+                      tf.fill(tf.shape(epoch), tf.constant(seed, tf.int64)),
                       epoch], axis=1)
-    return tf.random.experimental.index_shuffle(
-        within, seed=seeds, max_index=tf.fill(tf.shape(within),
-                                              tf.constant(n - 1, tf.int64)))
+    return tf.raw_ops.RandomIndexShuffle(
+        index=within, seed=seeds, rounds=4,
+        max_index=tf.fill(tf.shape(within), tf.constant(n - 1, tf.int64)))
 
   return (tf.data.Dataset.range(start, _FOREVER).batch(1024).map(indices)
           .unbatch())
@@ -194,7 +202,7 @@ def train_dataset_fn(split: Split, global_batch_size: int, seed: int,
       else:
         ids = shuffled_indices(split.num_records, seed, start)
       ids = stream.cut(ids, ctx, per_replica)
-      ds = ids.map(_no_autograph(lambda i: (*split.read(i), i)),
+      ds = ids.map(_no_autograph(lambda i: (*split.read(i), tf.cast(i, tf.int64))),
                    num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
     else:
       local = ctx.num_replicas_in_sync // ctx.num_input_pipelines
@@ -221,6 +229,18 @@ def eval_dataset(split: Split, batch_size: int) -> tf.data.Dataset:
   ds = ds.map(_no_autograph(split.parse),
               num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
   return stream.without_autotune(ds.prefetch(tf.data.AUTOTUNE))
+
+
+def input_error(error: Exception) -> Optional[UserError]:
+  """The one line of a tf.data error about a record that does not match
+  the spec (`Split.parse`), or None for any other error."""
+  found = re.search(r"\[record\] \[(\d+)\] \[of\] \[(.*?)\] \[(%s[^\]]*)\]"
+                    % SPEC_ERROR, str(error))
+  if not found:
+    return None
+  index, path, what = found.groups()
+  return UserError(f"{path}: record {index} {what}; make the shards again "
+                   "with tools.make_shards")
 
 
 def head(split: Split, count: int) -> Tuple[np.ndarray, np.ndarray]:

@@ -1,0 +1,181 @@
+"""Shards keep the in-memory input's guarantees: exactly once per epoch over
+replicas and processes, N devices = 1 device, a resume that is a jump."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from dist_loop import strategy as strategy_lib
+from dist_loop.data import shard_format, shard_stream, shard_writer, shards
+from dist_loop.data import stream
+from dist_loop.data.base import Dataset
+
+N = 96  # Examples: one epoch is 4 steps of 24.
+BATCH = 24
+
+
+@pytest.fixture(scope="module")
+def index_shards(tmp_path_factory):
+  """Shards whose example i has input i: {format: data_dir}."""
+  x = np.arange(N, dtype=np.float32)[:, None]
+  y = np.zeros(N, np.int32)
+  dataset = Dataset(x, y, x[:10], y[:10], 2)
+  root = tmp_path_factory.mktemp("shards")
+  return {fmt: _write(dataset, fmt, str(root / fmt), num_shards=4)
+          for fmt in shard_format.FORMATS}
+
+
+def _write(dataset, fmt, out, num_shards):
+  shard_writer.write(dataset, fmt, num_shards, out, seed=3, description={})
+  return out
+
+
+def _column(data_dir, order="index_shuffle"):
+  return shards.load(data_dir, 0, options=shards.ShardsOptions(
+      shard_order=order)).train_x
+
+
+def _ids(fn, replicas, steps, pipelines=1, pipeline=0):
+  """[step][replica] -> example ids, through the loop's own feed."""
+  devices = [d.name for d in tf.config.list_logical_devices("CPU")]
+  strategy = strategy_lib.mirrored(devices[:replicas])
+  if pipelines == 1:
+    it = stream.replica_input(strategy, fn)
+    rows = lambda: strategy.experimental_local_results(  # pylint: disable=g-long-lambda
+        stream.replica_batches(strategy, next(it))[0])
+  else:  # One process's pipeline of a multi-process run.
+    ctx = tf.distribute.InputContext(pipelines, pipeline,
+                                     replicas * pipelines)
+    it = iter(fn(ctx))
+    rows = lambda: [next(it)[0] for _ in range(replicas)]  # pylint: disable=g-long-lambda
+  return [[np.asarray(r).ravel().astype(int).tolist() for r in rows()]
+          for _ in range(steps)]
+
+
+@pytest.mark.parametrize("fmt", shard_format.FORMATS)
+def test_an_epoch_covers_each_example_once_over_replicas_and_processes(
+    index_shards, fmt):
+  fn = _column(index_shards[fmt]).train_dataset_fn(BATCH, 5, 0)
+  one_process = _ids(fn, 2, N // BATCH)
+  seen = sum((sum(step, []) for step in one_process), [])
+  assert sorted(seen) == list(range(N))
+  two = [_ids(fn, 1, N // BATCH, pipelines=2, pipeline=p) for p in (0, 1)]
+  seen = sum((sum(step, []) for p in two for step in p), [])
+  assert sorted(seen) == list(range(N))
+  if fmt == "tfrecord":  # Each process reads its own files.
+    halves = [set(sum((sum(s, []) for s in p), [])) for p in two]
+    assert not halves[0] & halves[1]
+
+
+@pytest.mark.parametrize("fmt", shard_format.FORMATS)
+def test_a_resume_continues_at_the_exact_position(index_shards, fmt):
+  col = _column(index_shards[fmt])
+  whole = _ids(col.train_dataset_fn(BATCH, 5, 0), 2, 7)
+  resumed = _ids(col.train_dataset_fn(BATCH, 5, 3), 2, 4)
+  assert resumed == whole[3:]
+
+
+def test_random_access_batches_do_not_depend_on_the_replica_count(
+    index_shards):
+  col = _column(index_shards["arrayrecord"])
+  one = _ids(col.train_dataset_fn(BATCH, 5, 0), 1, 6)
+  four = _ids(col.train_dataset_fn(BATCH, 5, 0), 4, 6)
+  assert [sorted(s[0]) for s in one] == [sorted(sum(s, [])) for s in four]
+  epochs = [sum(sum(one[e * 4:(e + 1) * 4], []), []) for e in (0, 1)]
+  assert epochs[0] != epochs[1]  # A new order every epoch.
+
+
+def test_memory_order_is_the_in_memory_stream(index_shards):
+  col = _column(index_shards["arrayrecord"], order="memory")
+  x = np.arange(N, dtype=np.float32)[:, None]
+  in_memory = stream.train_dataset_fn(x, np.zeros(N, np.int32), BATCH, 5, 2)
+  assert (_ids(col.train_dataset_fn(BATCH, 5, 2), 2, 5)
+          == _ids(in_memory, 2, 5))
+
+
+def test_index_shuffle_reads_only_the_records_a_step_uses(index_shards,
+                                                          monkeypatch):
+  split = _column(index_shards["arrayrecord"])._split  # pylint: disable=protected-access
+  asked = []
+  read = shard_stream._ArrayRecords.read  # pylint: disable=protected-access
+  monkeypatch.setattr(shard_stream._ArrayRecords, "read",  # pylint: disable=protected-access
+                      lambda self, i: asked.extend(i.tolist()) or read(self, i))
+  fn = shard_stream.train_dataset_fn(split, BATCH, 5, 1000, "index_shuffle")
+  it = iter(fn(tf.distribute.InputContext()))
+  next(it)
+  del it
+  # At most what the prefetch buffers hold: a few batches, not 1000 steps.
+  assert BATCH <= len(asked) <= 8 * BATCH
+
+
+# -- bad data: one line naming the file, before training --
+
+
+@pytest.fixture
+def digits_copy(index_shards, tmp_path):
+  import shutil  # pylint: disable=g-import-not-at-top
+  out = str(tmp_path / "copy")
+  shutil.copytree(index_shards["arrayrecord"], out)
+  return out
+
+
+def _error(data_dir):
+  with pytest.raises(Exception) as info:
+    shards.load(data_dir, 0)
+  message = str(info.value)
+  assert "\n" not in message
+  return message
+
+
+def test_missing_truncated_and_miscounted_shards_are_named(digits_copy):
+  path = os.path.join(digits_copy, "train-00001-of-00004.arrayrecord")
+  data = open(path, "rb").read()
+  with open(path, "wb") as f:
+    f.write(data[:len(data) // 2])
+  assert path in _error(digits_copy) and "truncated" in _error(digits_copy)
+  os.remove(path)
+  assert path in _error(digits_copy) and "cannot be read" in _error(
+      digits_copy)
+
+
+def test_a_manifest_that_disagrees_with_its_files_is_named(digits_copy):
+  manifest_path = os.path.join(digits_copy, shard_format.MANIFEST)
+  manifest = json.load(open(manifest_path))
+  manifest["splits"]["train"]["files"][2]["records"] += 1
+  json.dump(manifest, open(manifest_path, "w"))
+  assert "train-00002-of-00004.arrayrecord holds 24 records, the manifest " \
+         "says 25" in _error(digits_copy)
+  manifest["splits"]["train"]["files"][2]["records"] = 0
+  json.dump(manifest, open(manifest_path, "w"))
+  assert "empty shard" in _error(digits_copy)
+  os.remove(manifest_path)
+  assert "tools.make_shards" in _error(digits_copy)
+
+
+def test_a_record_not_matching_the_spec_names_its_file_and_index(tmp_path):
+  x = np.arange(N, dtype=np.float32)[:, None]
+  y = np.zeros(N, np.int32)
+  out = _write(Dataset(x, y, x[:4], y[:4], 2), "tfrecord",
+               str(tmp_path / "bad"), num_shards=1)
+  manifest_path = os.path.join(out, shard_format.MANIFEST)
+  manifest = json.load(open(manifest_path))
+  path = os.path.join(out, manifest["splits"]["train"]["files"][0]["name"])
+  with tf.io.TFRecordWriter(path) as w:  # Record 5 has two floats.
+    for i in range(N):
+      w.write(shard_format.encode(np.float32([i] * (2 if i == 5 else 1)),
+                                  np.int32(0)))
+  entry = manifest["splits"]["train"]["files"][0]
+  entry["bytes"], entry["sha256"] = os.path.getsize(path), shard_format.sha256(
+      path)
+  json.dump(manifest, open(manifest_path, "w"))
+  col = shards.load(out, 0).train_x
+  it = iter(col.train_dataset_fn(N, 0, 0)(tf.distribute.InputContext()))
+  with pytest.raises(tf.errors.InvalidArgumentError) as info:
+    next(it)
+  message = str(info.value)
+  assert path in message and "[5]" in message
+  print(message)
+  assert shard_stream.SPEC_ERROR in message

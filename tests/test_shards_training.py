@@ -1,0 +1,87 @@
+"""Training from shards equals training from memory: the seed CNN on digits
+over 2 devices, the Transformer on text; a run begun in memory resumed on
+shards, over 2 devices, equals an uninterrupted run on shards."""
+
+import json
+import os
+import sysconfig
+
+import numpy as np
+import pytest
+
+from conftest import run_main
+from dist_loop import data, make_config
+from dist_loop.data import shard_writer
+from helpers import initial_and_trained
+
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def digits_shards(tmp_path_factory):
+  out = str(tmp_path_factory.mktemp("digits") / "shards")
+  dataset = data.DATASETS.get("digits")(None, 0, None)
+  shard_writer.write(dataset, "arrayrecord", 3, out, 0, {"dataset": "digits"})
+  return out
+
+
+def _config(tmp_path, name, **flat):
+  base = dict(workdir=str(tmp_path / name), model="cnn", num_devices=1,
+              global_batch_size=32, train_steps=STEPS, optimizer="sgd",
+              learning_rate=0.1, steps_per_loop=STEPS, log_every=STEPS,
+              eval_every=STEPS, checkpoint_every=STEPS, seed=1)
+  base.update(flat)
+  return make_config(**base)
+
+
+def _close(a, b):
+  return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b)) < 1e-5
+
+
+def test_cnn_on_two_devices_of_shards_equals_one_device_in_memory(
+    digits_shards, tmp_path):
+  _, memory = initial_and_trained(_config(tmp_path, "m", dataset="digits"),
+                                  STEPS)
+  _, sharded = initial_and_trained(_config(
+      tmp_path, "s", dataset="shards", data_dir=digits_shards,
+      shard_order="memory", num_devices=2), STEPS)
+  assert _close(memory, sharded)
+
+
+def test_transformer_on_text_shards_equals_in_memory(tmp_path):
+  source = os.path.join(sysconfig.get_paths()["stdlib"], "json",
+                        "decoder.py")
+  tiny = dict(model="transformer", num_layers=1, d_model=16, num_heads=2,
+              mlp_ratio=2, global_batch_size=8, learning_rate=0.5)
+  text = dict(dataset="text", data_file=source, seq_len=8)
+  loaded = data.load(_config(tmp_path, "t", **text, **tiny))
+  out = str(tmp_path / "text_shards")
+  shard_writer.write(loaded, "arrayrecord", 2, out, 0, {})
+  _, memory = initial_and_trained(_config(tmp_path, "tm", **text, **tiny), 3)
+  _, sharded = initial_and_trained(_config(
+      tmp_path, "ts", dataset="shards", data_dir=out, shard_order="memory",
+      **tiny), 3)
+  assert _close(memory, sharded)
+
+
+def test_in_memory_run_resumed_on_shards_equals_uninterrupted(
+    digits_shards, tmp_path):
+  common = ["--model=cnn", "--num_devices=2", "--global_batch_size=32",
+            "--optimizer=sgd", "--learning_rate=0.1", "--steps_per_loop=2",
+            "--log_every=2", "--eval_every=4", "--checkpoint_every=2",
+            "--seed=1"]
+  shards = ["--dataset=shards", f"--data_dir={digits_shards}",
+            "--shard_order=memory"]
+  resumed, whole = str(tmp_path / "resumed"), str(tmp_path / "whole")
+  assert run_main(f"--workdir={resumed}", "--dataset=digits",
+                  "--train_steps=2", *common)[0] == 0
+  code, _, err = run_main(f"--workdir={resumed}", "--train_steps=4",
+                          "--allow_config_change", *shards, *common)
+  assert code == 0, err
+  assert run_main(f"--workdir={whole}", "--train_steps=4", *shards,
+                  *common)[0] == 0
+  summaries = [json.load(open(os.path.join(w, "summary.json")))
+               for w in (resumed, whole)]
+  assert summaries[0]["final_step"] == summaries[1]["final_step"] == 4
+  assert summaries[0]["eval_loss"] == pytest.approx(summaries[1]["eval_loss"],
+                                                    rel=1e-6)
