@@ -23,6 +23,7 @@ import tensorflow as tf
 from absl import logging
 
 from dist_loop import actions, checkpoints, configure, console, data
+from dist_loop import models
 from dist_loop import devices, divergence, tasks
 from dist_loop import cluster as cluster_lib
 from dist_loop import preemption
@@ -90,7 +91,7 @@ def _run(config, flags_text, cluster):
     keras.utils.set_random_seed(config.seed)
     if config.deterministic:
       tf.config.experimental.enable_op_determinism()
-    dataset = data.load(config)
+    dataset = data.load(config, models.image_size_for(config.model))
     try:
       trainer = build_trainer(config, device_names, dataset, cluster)
       try:

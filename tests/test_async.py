@@ -12,7 +12,8 @@ import pytest
 import tensorflow as tf
 
 from conftest import read_events
-from dist_loop import UserError, checkpoints, configure, data, devices, models
+from helpers import load_data
+from dist_loop import UserError, checkpoints, configure, devices, models
 from dist_loop import train
 from dist_loop.cluster import Cluster
 from dist_loop.errors import Interrupted
@@ -32,7 +33,7 @@ def async_threads():
 
 def build(config):
   config = configure.validate(config, Cluster())
-  split = data.load(config)
+  split = load_data(config)
   names = devices.configure(config.num_devices, "cpu")
   keras.utils.set_random_seed(config.seed)
   return AsyncTrainer(config, names, split, Cluster()), split
@@ -190,7 +191,7 @@ def test_run_logs_staleness_and_resumes_in_sync_mode(small_config):
   assert resumed["final_step"] == 25
   # The checkpoint holds the master that the run evaluated last.
   model = checkpoints.load_model(sync)
-  evaluator = Evaluator(model, data.load(sync), 256)  # Traced once.
+  evaluator = Evaluator(model, load_data(sync), 256)  # Traced once.
   loaded = evaluator.evaluate()
   assert loaded["eval/loss"] == pytest.approx(resumed["eval_loss"], abs=1e-6)
   model.set_weights(checkpoints.load_model(

@@ -15,11 +15,11 @@ import pytest
 import tensorflow as tf
 
 from conftest import max_diff, read_events, trained_variables
-from dist_loop import checkpoints, configure, data, devices
+from dist_loop import checkpoints, configure, devices
 from dist_loop.cluster import Cluster
 from dist_loop.errors import UserError
 from dist_loop.modes import build_trainer
-from helpers import make_trainer, variables
+from helpers import load_data, make_trainer, variables
 
 TINY_BUCKET_MB = 0.001  # About 1 KB: every gradient of the test MLP its own.
 
@@ -27,7 +27,7 @@ TINY_BUCKET_MB = 0.001  # About 1 KB: every gradient of the test MLP its own.
 def _trainer(small_config, **overrides):
   config = configure.validate(small_config(**overrides), Cluster())
   names = devices.configure(config.num_devices, "cpu")
-  return build_trainer(config, names, data.load(config), Cluster())
+  return build_trainer(config, names, load_data(config), Cluster())
 
 
 def _collectives(trainer):
@@ -77,7 +77,7 @@ def _runs():
         num_devices=2, global_batch_size=32, optimizer="sgd",
         learning_rate=0.1, seed=0, allreduce_bucket_mb=bucket_mb), Cluster())
     trainer = build_trainer(config, devices.configure(2, "cpu"),
-                            data.load(config), Cluster())
+                            load_data(config), Cluster())
     out[bucket_mb] = _collectives(trainer)
     trainer.close()
   return out

@@ -17,9 +17,9 @@ import pytest
 import tensorflow as tf
 
 from conftest import max_diff
-from helpers import NAN_DATASET
+from helpers import NAN_DATASET, load_data
 import dist_loop.modes.local_sgd  # noqa: F401  (registers the mode)
-from dist_loop import checkpoints, configure, data, devices, optim, resume, train
+from dist_loop import checkpoints, configure, devices, optim, resume, train
 from dist_loop import step as step_lib
 from dist_loop import strategy as strategy_lib
 from dist_loop.cluster import Cluster
@@ -38,7 +38,7 @@ def _trainer(config):
   config = configure.validate(config, Cluster())
   names = devices.configure(config.num_devices, "cpu")
   keras.utils.set_random_seed(config.seed)
-  return build_trainer(config, names, data.load(config), Cluster())
+  return build_trainer(config, names, load_data(config), Cluster())
 
 
 def _components(trainer, variables):

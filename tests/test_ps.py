@@ -21,7 +21,8 @@ import pytest
 import tensorflow as tf
 
 from conftest import read_events
-from dist_loop import checkpoints, configure, data, optim, staleness
+from helpers import load_data
+from dist_loop import checkpoints, configure, optim, staleness
 from dist_loop.cluster import Cluster, ClusterError
 from dist_loop.errors import UserError
 from dist_loop.evaluation import Evaluator
@@ -380,7 +381,7 @@ def test_ps_trains_digits_within_the_bound_despite_a_killed_worker(
   config = configure.make_config(workdir=str(workdir), dataset="digits",
                                  model="mlp")
   model = checkpoints.load_model(config)
-  accuracy = Evaluator(model, data.load(config), 256).evaluate()
+  accuracy = Evaluator(model, load_data(config), 256).evaluate()
   np.testing.assert_allclose(accuracy["eval/accuracy"], s["eval_accuracy"],
                              atol=1e-6)
 

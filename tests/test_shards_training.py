@@ -54,7 +54,7 @@ def test_transformer_on_text_shards_equals_in_memory(tmp_path):
   tiny = dict(model="transformer", num_layers=1, d_model=16, num_heads=2,
               mlp_ratio=2, global_batch_size=8, learning_rate=0.5)
   text = dict(dataset="text", data_file=source, seq_len=8)
-  loaded = data.load(_config(tmp_path, "t", **text, **tiny))
+  loaded = data.load(_config(tmp_path, "t", **text, **tiny), None)
   out = str(tmp_path / "text_shards")
   shard_writer.write(loaded, "arrayrecord", 2, out, 0, {})
   _, memory = initial_and_trained(_config(tmp_path, "tm", **text, **tiny), 3)

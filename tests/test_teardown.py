@@ -14,7 +14,8 @@ import keras
 import pytest
 import tensorflow as tf
 
-from dist_loop import configure, data, devices, make_config
+from helpers import load_data
+from dist_loop import configure, devices, make_config
 from dist_loop.cluster import Cluster
 from dist_loop.modes import build_trainer
 
@@ -47,7 +48,7 @@ def test_a_trainers_input_is_not_autotuned_and_close_frees_it(
   keras.utils.set_random_seed(0)
   trainer = build_trainer(config, devices.configure(config.num_devices,
                                                     "cpu"),
-                          data.load(config), Cluster())
+                          load_data(config), Cluster())
   trainer.train(2)
   assert opened
   assert [autotuned for autotuned, _ in opened] == [False] * len(opened)

@@ -25,7 +25,8 @@ import numpy as np
 import pytest
 
 from conftest import max_diff
-from dist_loop import configure, data, devices, make_config
+from helpers import load_data
+from dist_loop import configure, devices, make_config
 from dist_loop.cluster import Cluster
 from dist_loop.modes import build_trainer
 
@@ -73,7 +74,7 @@ def trained(cfg, steps=STEPS):
   """(initial variables, final variables, metrics of the last call)."""
   names = devices.configure(cfg.num_devices, "cpu")
   keras.utils.set_random_seed(cfg.seed)
-  trainer = build_trainer(cfg, names, data.load(cfg), LOCAL)
+  trainer = build_trainer(cfg, names, load_data(cfg), LOCAL)
   try:
     start = [np.asarray(v) for v in trainer.model.trainable_variables]
     metrics = trainer.train(steps)
@@ -154,7 +155,7 @@ def test_mixed_bfloat16_trains(corpus, workdir):
                optimizer="adam", learning_rate=0.01, steps_per_loop=8)
   names = devices.configure(cfg.num_devices, "cpu")
   keras.utils.set_random_seed(cfg.seed)
-  trainer = build_trainer(cfg, names, data.load(cfg), LOCAL)
+  trainer = build_trainer(cfg, names, load_data(cfg), LOCAL)
   try:
     first = trainer.train(1)
     last = trainer.train(8)

@@ -28,7 +28,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # pylint: disable=g-import-not-at-top
 
-from dist_loop import data, devices  # pylint: disable=g-import-not-at-top
+from dist_loop import devices  # pylint: disable=g-import-not-at-top
 from dist_loop.modes import Reporting  # pylint: disable=g-import-not-at-top
 from tools.benchmarks import common  # pylint: disable=g-import-not-at-top
 
@@ -102,7 +102,7 @@ def run(quick: bool = False) -> dict:
   """Trains every (straggler, mode) setting interleaved; rows and a table."""
   settings = SETTINGS[quick]
   names = devices.configure(NUM_DEVICES, "cpu")
-  split = data.load(common.config(**_flags(settings["model"], "sync")))
+  split = common.load_data(common.config(**_flags(settings["model"], "sync")))
   runs = [_Setting(mode, factor, settings["model"], split, names)
           for factor in FACTORS for mode in MODES]
   try:

@@ -35,7 +35,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # pylint: disable=g-import-not-at-top
 
-from dist_loop import data, devices  # pylint: disable=g-import-not-at-top
+from dist_loop import devices  # pylint: disable=g-import-not-at-top
 from tools.benchmarks import common  # pylint: disable=g-import-not-at-top
 
 CHUNK = 32  # A multiple of every H: local SGD is evaluated right after a sync.
@@ -145,7 +145,8 @@ def run(quick: bool = False) -> dict:
   followed by the verdicts on the targets."""
   settings = SETTINGS[quick]
   names = devices.configure(max(settings["replicas"]), "cpu")
-  split = data.load(common.config(dataset="digits", model=settings["model"]))
+  split = common.load_data(
+      common.config(dataset="digits", model=settings["model"]))
   runs = [_Variant(v, n, settings, split, names)
           for n in settings["replicas"] for v in settings["variants"]]
   try:
