@@ -179,3 +179,17 @@ def test_a_record_not_matching_the_spec_names_its_file_and_index(tmp_path):
   assert path in message and "[5]" in message
   print(message)
   assert shard_stream.SPEC_ERROR in message
+
+
+@pytest.mark.parametrize("fmt", shard_format.FORMATS)
+def test_shard_input_is_not_autotuned_and_frees_at_once(index_shards, fmt):
+  import time  # pylint: disable=g-import-not-at-top
+  col = _column(index_shards[fmt])
+  for ds in (col.train_dataset_fn(BATCH, 5, 0)(tf.distribute.InputContext()),
+             col.eval_dataset(4)):
+    assert ds.options().autotune.enabled is False
+    it = iter(ds)
+    next(it)
+    start = time.monotonic()
+    del it  # Reads in flight finish; nothing sleeps out a round.
+    assert time.monotonic() - start < 5

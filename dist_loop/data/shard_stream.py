@@ -2,7 +2,10 @@
 
 Nothing here holds a split in memory: records are read, parsed (`x`, `y`
 raw bytes, checked by size against the spec) and batched by tf.data, with
-parallel parses and a prefetch, and eval reads its split front to back.
+as many parallel reads and parses as the process has cores and a
+prefetch, and eval reads its split front to back. Like every input of
+`data/stream.py`, a pipeline runs without tf.data's autotuning thread, so
+freeing it never waits on that thread (`stream.without_autotune`).
 
 **ArrayRecord (random access)** keeps every guarantee of `data/stream.py`:
 the global stream of example indices by (seed, position) is cut per
@@ -203,7 +206,7 @@ def train_dataset_fn(split: Split, global_batch_size: int, seed: int,
         ids = shuffled_indices(split.num_records, seed, start)
       ids = stream.cut(ids, ctx, per_replica)
       ds = ids.map(_no_autograph(lambda i: (*split.read(i), tf.cast(i, tf.int64))),
-                   num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+                   num_parallel_calls=stream.parallel_calls(), deterministic=True)
     else:
       local = ctx.num_replicas_in_sync // ctx.num_input_pipelines
       start = start_step * per_replica * local
@@ -211,7 +214,7 @@ def train_dataset_fn(split: Split, global_batch_size: int, seed: int,
                          ctx.num_input_pipelines).batch(
                              per_replica, drop_remainder=True)
     ds = ds.map(_no_autograph(split.parse),
-                num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+                num_parallel_calls=stream.parallel_calls(), deterministic=True)
     return stream.without_autotune(ds.prefetch(tf.data.AUTOTUNE))
 
   return dataset_fn
@@ -227,7 +230,7 @@ def eval_dataset(split: Split, batch_size: int) -> tf.data.Dataset:
         (split.paths, tf.zeros([len(split.paths)], tf.int64)))
           .flat_map(_no_autograph(read_file)).batch(batch_size))
   ds = ds.map(_no_autograph(split.parse),
-              num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+              num_parallel_calls=stream.parallel_calls(), deterministic=True)
   return stream.without_autotune(ds.prefetch(tf.data.AUTOTUNE))
 
 

@@ -21,6 +21,8 @@ them, and freeing an autotuned iterator can wait up to a minute (see
 `without_autotune`). Every iterator here has autotuning off.
 """
 
+import os
+
 import numpy as np
 import tensorflow as tf
 
@@ -28,6 +30,16 @@ _EPOCHS_FOREVER = np.iinfo(np.int64).max
 # tf.data traces its functions with AutoGraph unless told not to; the
 # library's traced code is written without it (`modes/loop.py`).
 no_autograph = tf.autograph.experimental.do_not_convert
+
+
+def parallel_calls() -> int:
+  """Parallel parses and reads of an input pipeline: the cores this
+  process may run on (what AUTOTUNE falls back to without autotuning,
+  stated rather than left to it)."""
+  try:
+    return len(os.sched_getaffinity(0))
+  except AttributeError:  # Not on Linux.
+    return os.cpu_count() or 1
 
 
 def index_stream(num_examples: int, seed: int, start: int) -> tf.data.Dataset:
