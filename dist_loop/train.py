@@ -150,6 +150,8 @@ def _inputs(config, trainer, dataset, checkpointer, summaries, summary_path,
   reporting = isinstance(trainer, Reporting)
   if reporting:
     summary_parts = [*summary_parts, trainer.summary]
+  summary_parts = [*summary_parts, lambda: {  # data/bad_records: bad_records
+      k.split("/")[-1]: v for k, v in data.input_metrics(dataset).items()}]
   optimizer = trainer.optimizer
   return actions.Inputs(
       summaries=summaries,

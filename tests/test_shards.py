@@ -193,3 +193,43 @@ def test_shard_input_is_not_autotuned_and_frees_at_once(index_shards, fmt):
     start = time.monotonic()
     del it  # Reads in flight finish; nothing sleeps out a round.
     assert time.monotonic() - start < 5
+
+
+def _with_bad_records(tmp_path, bad):
+  """TFRecord shards of N examples whose records `bad` are not Examples."""
+  x = np.arange(N, dtype=np.float32)[:, None]
+  y = np.zeros(N, np.int32)
+  out = _write(Dataset(x, y, x[:4], y[:4], 2), "tfrecord",
+               str(tmp_path / "bad"), num_shards=1)
+  manifest_path = os.path.join(out, shard_format.MANIFEST)
+  manifest = json.load(open(manifest_path))
+  entry = manifest["splits"]["train"]["files"][0]
+  path = os.path.join(out, entry["name"])
+  with tf.io.TFRecordWriter(path) as w:
+    for i in range(N):
+      w.write(b"\xff garbage" if i in bad else shard_format.encode(
+          np.float32([i]), np.int32(0)))
+  entry["bytes"], entry["sha256"] = (os.path.getsize(path),
+                                     shard_format.sha256(path))
+  json.dump(manifest, open(manifest_path, "w"))
+  return out
+
+
+def test_skip_bad_records_counts_them_and_stops_past_the_limit(tmp_path):
+  out = _with_bad_records(tmp_path, bad={3, 40, 41})
+  options = shards.ShardsOptions(skip_bad_records=True, max_bad_records=3)
+  col = shards.load(out, 0, options=options).train_x
+  it = iter(col.train_dataset_fn(BATCH, 0, 0)(tf.distribute.InputContext()))
+  seen = [int(v) for _ in range(4) for v in next(it)[0].numpy().ravel()]
+  # The first epoch: the good records, none twice; then the next epoch.
+  assert set(seen[:N - 3]) == set(range(N)) - {3, 40, 41}
+  assert len(set(seen[:N - 3])) == N - 3
+  assert shards.input_metrics(shards.load(out, 0, options=options)) == {
+      "data/bad_records": 0.0}  # A new input counts afresh.
+  # The first epoch's 3, and what the prefetch has read ahead of it.
+  assert col.skipper.metrics()["data/bad_records"] >= 3
+  with pytest.raises(tf.errors.InvalidArgumentError) as info:
+    for _ in range(10):  # The second epoch's first bad record is the 4th.
+      next(it)
+  assert str(shard_stream.input_error(info.value)).startswith(
+      f"4 {shard_stream.bad_records.LIMIT_ERROR}=3 in {out}; ")

@@ -8,10 +8,11 @@ import sysconfig
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
-from conftest import run_main
+from conftest import read_events, run_main
 from dist_loop import data, make_config
-from dist_loop.data import shard_writer
+from dist_loop.data import shard_format, shard_writer
 from helpers import initial_and_trained
 
 STEPS = 4
@@ -85,3 +86,46 @@ def test_in_memory_run_resumed_on_shards_equals_uninterrupted(
   assert summaries[0]["final_step"] == summaries[1]["final_step"] == 4
   assert summaries[0]["eval_loss"] == pytest.approx(summaries[1]["eval_loss"],
                                                     rel=1e-6)
+
+
+def _digits_with_a_bad_record(tmp_path):
+  """TFRecord digits shards whose first file's record 5 is not an Example;
+  returns (directory, that file)."""
+  out = str(tmp_path / "bad_shards")
+  shard_writer.write(data.DATASETS.get("digits")(None, 0, None), "tfrecord",
+                     2, out, 0, {"dataset": "digits"})
+  manifest_path = os.path.join(out, "manifest.json")
+  manifest = json.load(open(manifest_path))
+  entry = manifest["splits"]["train"]["files"][0]
+  path = os.path.join(out, entry["name"])
+  records = [r.numpy() for r in tf.data.TFRecordDataset(path)]
+  records[5] = b"not an Example"
+  with tf.io.TFRecordWriter(path) as w:
+    for r in records:
+      w.write(r)
+  entry["bytes"] = os.path.getsize(path)
+  entry["sha256"] = shard_format.sha256(path)
+  json.dump(manifest, open(manifest_path, "w"))
+  return out, path
+
+
+def test_a_bad_record_stops_the_run_in_one_line_or_is_skipped_and_counted(
+    tmp_path):
+  out, path = _digits_with_a_bad_record(tmp_path)
+  common = ["--dataset=shards", f"--data_dir={out}", "--model=mlp",
+            "--global_batch_size=64", "--train_steps=30",
+            "--steps_per_loop=10", "--log_every=10", "--eval_every=30",
+            "--checkpoint_every=10"]
+  stopped = str(tmp_path / "stopped")
+  code, _, err = run_main(f"--workdir={stopped}", *common)
+  assert code != 0
+  lines = [l for l in err.splitlines() if l.startswith("error:")]
+  assert len(lines) == 1 and path in lines[0]
+  skipped = str(tmp_path / "skipped")
+  code, _, err = run_main(f"--workdir={skipped}", "--skip_bad_records",
+                          *common)
+  assert code == 0, err
+  summary = json.load(open(os.path.join(skipped, "summary.json")))
+  assert summary["bad_records"] >= 1  # Record 5, in every epoch read.
+  events = read_events(os.path.join(skipped, "tb"))
+  assert max(events["train/data/bad_records"].values()) >= 1

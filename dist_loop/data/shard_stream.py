@@ -40,7 +40,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import tensorflow as tf
 
-from dist_loop.data import shard_format, stream
+from dist_loop.data import bad_records, shard_format, stream
 from dist_loop.errors import UserError
 
 ORDERS = ("index_shuffle", "memory")
@@ -75,12 +75,25 @@ class Split:
     self.x_shape, self.y_shape = tuple(shape), tuple(self.spec["y"]["shape"])
     self._arrayrecords = (_ArrayRecords(self.paths, self.counts)
                           if self.format == "arrayrecord" else None)
+    # Drops and counts unparsable records (`data/bad_records.py`), or None.
+    self.skipper = None
 
   def parse(self, serialized, files, indices):
     """A batch of serialized Examples -> (x, y), each checked by size;
     `files`, `indices` name the records in an error."""
-    features = tf.io.parse_example(serialized, {
-        key: tf.io.FixedLenFeature([], tf.string) for key in ("x", "y")})
+    # An Example starts with its `features` field (tag 0x0a) and holds at
+    # least x's and y's bytes: what is not is named before the parse
+    # (which would fail naming neither file nor record).
+    least = sum(shard_format.record_bytes(self.spec[k]) for k in ("x", "y"))
+    bad = tf.where(tf.logical_or(
+        tf.strings.substr(serialized, 0, 1) != "\n",
+        tf.strings.length(serialized) < least))[:1, 0]
+    check = tf.debugging.Assert(tf.size(bad) == 0, [
+        "record", tf.gather(indices, bad), "of", tf.gather(files, bad),
+        f"{SPEC_ERROR}: it is not a tf.train.Example of x and y"])
+    with tf.control_dependencies([check]):
+      features = tf.io.parse_example(serialized, {
+          key: tf.io.FixedLenFeature([], tf.string) for key in ("x", "y")})
     out = []
     for key, shape in (("x", self.spec["x"]["shape"]),
                        ("y", self.spec["y"]["shape"])):
@@ -205,45 +218,64 @@ def train_dataset_fn(split: Split, global_batch_size: int, seed: int,
       else:
         ids = shuffled_indices(split.num_records, seed, start)
       ids = stream.cut(ids, ctx, per_replica)
-      ds = ids.map(_no_autograph(lambda i: (*split.read(i), tf.cast(i, tf.int64))),
-                   num_parallel_calls=stream.parallel_calls(), deterministic=True)
+      ds = ids.map(_no_autograph(
+          lambda i: (*split.read(i), tf.cast(i, tf.int64))),
+                   num_parallel_calls=stream.parallel_calls(),
+                   deterministic=True)
+      records = ds.unbatch()
     else:
       local = ctx.num_replicas_in_sync // ctx.num_input_pipelines
       start = start_step * per_replica * local
-      ds = split.records(read_file, seed, start, ctx.input_pipeline_id,
-                         ctx.num_input_pipelines).batch(
-                             per_replica, drop_remainder=True)
-    ds = ds.map(_no_autograph(split.parse),
-                num_parallel_calls=stream.parallel_calls(), deterministic=True)
+      records = split.records(read_file, seed, start, ctx.input_pipeline_id,
+                              ctx.num_input_pipelines)
+      ds = records.batch(per_replica, drop_remainder=True)
+    if split.skipper is not None:
+      ds = split.skipper.batches(records, split.parse, per_replica)
+    else:
+      ds = ds.map(_no_autograph(split.parse),
+                  num_parallel_calls=stream.parallel_calls(),
+                  deterministic=True)
     return stream.without_autotune(ds.prefetch(tf.data.AUTOTUNE))
 
   return dataset_fn
 
 
 def eval_dataset(split: Split, batch_size: int) -> tf.data.Dataset:
-  """The split in order, last partial batch kept."""
+  """The split in order, last partial batch kept (with a skipper, bad
+  records left out, not counted)."""
   if split.format == "arrayrecord":
     ds = (tf.data.Dataset.range(split.num_records).batch(batch_size)
           .map(_no_autograph(lambda i: (*split.read(i), i))))
+    records = ds.unbatch()
   else:
-    ds = (tf.data.Dataset.from_tensor_slices(
+    records = (tf.data.Dataset.from_tensor_slices(
         (split.paths, tf.zeros([len(split.paths)], tf.int64)))
-          .flat_map(_no_autograph(read_file)).batch(batch_size))
-  ds = ds.map(_no_autograph(split.parse),
-              num_parallel_calls=stream.parallel_calls(), deterministic=True)
+               .flat_map(_no_autograph(read_file)))
+    ds = records.batch(batch_size)
+  if split.skipper is not None:
+    ds = split.skipper.batches(records, split.parse, batch_size, count=False)
+  else:
+    ds = ds.map(_no_autograph(split.parse),
+                num_parallel_calls=stream.parallel_calls(), deterministic=True)
   return stream.without_autotune(ds.prefetch(tf.data.AUTOTUNE))
 
 
 def input_error(error: Exception) -> Optional[UserError]:
-  """The one line of a tf.data error about a record that does not match
-  the spec (`Split.parse`), or None for any other error."""
+  """The one line of a tf.data error about bad records (`Split.parse`,
+  `bad_records.Skipper`), or None for any other error."""
+  message = str(error)
   found = re.search(r"\[record\] \[(\d+)\] \[of\] \[(.*?)\] \[(%s[^\]]*)\]"
-                    % SPEC_ERROR, str(error))
-  if not found:
-    return None
-  index, path, what = found.groups()
-  return UserError(f"{path}: record {index} {what}; make the shards again "
-                   "with tools.make_shards")
+                    % SPEC_ERROR, message)
+  if found:
+    index, path, what = found.groups()
+    return UserError(f"{path}: record {index} {what}; make the shards again "
+                     "with tools.make_shards, or pass --skip_bad_records")
+  found = re.search(r"\[(\d+)\] \[(%s[^\]]*)\]" % bad_records.LIMIT_ERROR,
+                    message)
+  if found:
+    return UserError(f"{found.group(1)} {found.group(2)}; fix or make the "
+                     "shards again, or raise --max_bad_records")
+  return None
 
 
 def head(split: Split, count: int) -> Tuple[np.ndarray, np.ndarray]:

@@ -21,7 +21,7 @@ import dataclasses
 
 import numpy as np
 
-from dist_loop.data import shard_format, shard_stream
+from dist_loop.data import bad_records, shard_format, shard_stream
 from dist_loop.data.base import DATASETS, Dataset
 from dist_loop.errors import UserError
 from dist_loop.options import option
@@ -37,6 +37,12 @@ class ShardsOptions:
       "in-memory datasets' order, so a run begun on them continues exactly "
       "(8 bytes per example per epoch).", choices=shard_stream.ORDERS,
       layout=True)
+  skip_bad_records: bool = option(
+      False, "Skip and count training records that fail to parse "
+      "(data/bad_records) instead of stopping at the first.")
+  max_bad_records: int = option(
+      100, "With --skip_bad_records: stop past this many bad records.",
+      lower=0)
   verify_checksums: bool = option(
       True, "Compare every shard's SHA-256 with the manifest before "
       "training (one read of the shards).")
@@ -57,6 +63,7 @@ class Column:
     self.dtype = np.dtype("float32" if key == "x" and split.resize
                           else split.spec[key]["dtype"])
     self.ndim = len(self.shape)
+    self.skipper = split.skipper
 
   def __len__(self) -> int:
     return self.shape[0]
@@ -82,8 +89,13 @@ class Column:
     return shard_stream.eval_dataset(self._split, batch_size)
 
 
-def is_file_backed(dataset: Dataset) -> bool:
-  return isinstance(dataset.train_x, Column)
+def input_metrics(dataset: Dataset):
+  """What the input reports besides the trainer's metrics: the bad
+  records skipped (`data/bad_records`), or nothing."""
+  column = dataset.train_x
+  if isinstance(column, Column) and column.skipper is not None:
+    return column.skipper.metrics()
+  return {}
 
 
 @DATASETS.register("shards")
@@ -101,6 +113,8 @@ def load(data_dir, seed, image_size=None, options=None) -> Dataset:
   columns = {}
   for split in shard_format.SPLITS:
     reader = shard_stream.Split(data_dir, manifest, split, image_size)
+    if split == "train" and options.skip_bad_records:
+      reader.skipper = bad_records.Skipper(options.max_bad_records, data_dir)
     for key in ("x", "y"):
       columns[f"{split}_{key}"] = Column(reader, key, options.shard_order)
   return Dataset(num_classes=manifest["num_classes"], task=manifest["task"],

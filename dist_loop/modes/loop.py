@@ -60,7 +60,7 @@ import numpy as np
 import tensorflow as tf
 
 from dist_loop import step as step_core
-from dist_loop.data import stream, train_dataset_fn
+from dist_loop.data import input_metrics, stream, train_dataset_fn
 from dist_loop.errors import NonFiniteError
 from dist_loop.modes.base import Trainer, train_metrics
 
@@ -190,6 +190,7 @@ class LoopTrainer(Trainer):
                         tf.nest.map_structure(np.asarray, carry))
     extra = ({} if self.loss_scale is None else
              {"loss_scale": float(self.loss_scale.scale.numpy())})
+    extra.update(input_metrics(self.dataset))  # data/bad_records, if any.
     return train_metrics(self.task, totals.means(), skipped=totals.skipped,
                          skipped_at_end=totals.skipped_at_end, extra=extra)
 
