@@ -156,29 +156,16 @@ def test_a_manifest_that_disagrees_with_its_files_is_named(digits_copy):
 
 
 def test_a_record_not_matching_the_spec_names_its_file_and_index(tmp_path):
-  x = np.arange(N, dtype=np.float32)[:, None]
-  y = np.zeros(N, np.int32)
-  out = _write(Dataset(x, y, x[:4], y[:4], 2), "tfrecord",
-               str(tmp_path / "bad"), num_shards=1)
-  manifest_path = os.path.join(out, shard_format.MANIFEST)
-  manifest = json.load(open(manifest_path))
-  path = os.path.join(out, manifest["splits"]["train"]["files"][0]["name"])
-  with tf.io.TFRecordWriter(path) as w:  # Record 5 has two floats.
-    for i in range(N):
-      w.write(shard_format.encode(np.float32([i] * (2 if i == 5 else 1)),
-                                  np.int32(0)))
-  entry = manifest["splits"]["train"]["files"][0]
-  entry["bytes"], entry["sha256"] = os.path.getsize(path), shard_format.sha256(
-      path)
-  json.dump(manifest, open(manifest_path, "w"))
+  out, path = _with_records(tmp_path, lambda i: shard_format.encode(
+      np.float32([i] * (2 if i == 5 else 1)), np.int32(0)))  # 5: two floats.
   col = shards.load(out, 0).train_x
   it = iter(col.train_dataset_fn(N, 0, 0)(tf.distribute.InputContext()))
   with pytest.raises(tf.errors.InvalidArgumentError) as info:
     next(it)
-  message = str(info.value)
-  assert path in message and "[5]" in message
-  print(message)
-  assert shard_stream.SPEC_ERROR in message
+  assert str(shard_stream.input_error(info.value)) == (
+      f"{path}: record 5 {shard_stream.SPEC_ERROR}: its x is not 4 bytes; "
+      "make the shards again with tools.make_shards, or pass "
+      "--skip_bad_records")
 
 
 @pytest.mark.parametrize("fmt", shard_format.FORMATS)
@@ -195,8 +182,9 @@ def test_shard_input_is_not_autotuned_and_frees_at_once(index_shards, fmt):
     assert time.monotonic() - start < 5
 
 
-def _with_bad_records(tmp_path, bad):
-  """TFRecord shards of N examples whose records `bad` are not Examples."""
+def _with_records(tmp_path, record):
+  """TFRecord shards of N examples, train record i being `record(i)`:
+  (directory, the train file), the manifest matching the file."""
   x = np.arange(N, dtype=np.float32)[:, None]
   y = np.zeros(N, np.int32)
   out = _write(Dataset(x, y, x[:4], y[:4], 2), "tfrecord",
@@ -207,16 +195,16 @@ def _with_bad_records(tmp_path, bad):
   path = os.path.join(out, entry["name"])
   with tf.io.TFRecordWriter(path) as w:
     for i in range(N):
-      w.write(b"\xff garbage" if i in bad else shard_format.encode(
-          np.float32([i]), np.int32(0)))
+      w.write(record(i))
   entry["bytes"], entry["sha256"] = (os.path.getsize(path),
                                      shard_format.sha256(path))
   json.dump(manifest, open(manifest_path, "w"))
-  return out
+  return out, path
 
 
 def test_skip_bad_records_counts_them_and_stops_past_the_limit(tmp_path):
-  out = _with_bad_records(tmp_path, bad={3, 40, 41})
+  out, _ = _with_records(tmp_path, lambda i: b"\xff garbage" if i in (
+      3, 40, 41) else shard_format.encode(np.float32([i]), np.int32(0)))
   options = shards.ShardsOptions(skip_bad_records=True, max_bad_records=3)
   col = shards.load(out, 0, options=options).train_x
   it = iter(col.train_dataset_fn(BATCH, 0, 0)(tf.distribute.InputContext()))
