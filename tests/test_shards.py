@@ -221,3 +221,22 @@ def test_skip_bad_records_counts_them_and_stops_past_the_limit(tmp_path):
       next(it)
   assert str(shard_stream.input_error(info.value)).startswith(
       f"4 {shard_stream.bad_records.LIMIT_ERROR}=3 in {out}; ")
+
+
+@pytest.mark.timeout(120)
+def test_two_data_workers_produce_each_batch_of_the_stream_once(index_shards):
+  from dist_loop.data import service  # pylint: disable=g-import-not-at-top
+  address, servers = service.start_local(2)
+  local = shards.load(index_shards["tfrecord"], 0).train_x
+  served = shards.load(index_shards["tfrecord"], 0, options=shards.ShardsOptions(
+      data_service=address)).train_x
+  ctx = tf.distribute.InputContext()
+  # The first epoch's 9 batches of 10: disjoint, so no two alike.
+  expected = [tuple(b[0].numpy().ravel()) for b in
+              local.train_dataset_fn(10, 5, 0)(ctx).take(N // 10)]
+  it = iter(served.train_dataset_fn(10, 5, 0)(ctx))
+  got = [tuple(next(it)[0].numpy().ravel()) for _ in range(4)]
+  del it
+  assert len(set(got)) == len(got)  # No batch twice: static sharding.
+  assert set(got) <= set(expected)  # The stream's own batches.
+  del servers

@@ -40,7 +40,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import tensorflow as tf
 
-from dist_loop.data import bad_records, shard_format, stream
+from dist_loop.data import bad_records, service, shard_format, stream
 from dist_loop.errors import UserError
 
 ORDERS = ("index_shuffle", "memory")
@@ -77,6 +77,8 @@ class Split:
                           if self.format == "arrayrecord" else None)
     # Drops and counts unparsable records (`data/bad_records.py`), or None.
     self.skipper = None
+    # The tf.data service that parses the training input (`data/service.py`).
+    self.service = ""
 
   def parse(self, serialized, files, indices):
     """A batch of serialized Examples -> (x, y), each checked by size;
@@ -229,12 +231,16 @@ def train_dataset_fn(split: Split, global_batch_size: int, seed: int,
       records = split.records(read_file, seed, start, ctx.input_pipeline_id,
                               ctx.num_input_pipelines)
       ds = records.batch(per_replica, drop_remainder=True)
+      if split.service:
+        ds = service.shard_point(ds)
     if split.skipper is not None:
       ds = split.skipper.batches(records, split.parse, per_replica)
     else:
       ds = ds.map(_no_autograph(split.parse),
                   num_parallel_calls=stream.parallel_calls(),
                   deterministic=True)
+    if split.service:
+      ds = service.distribute(ds, split.service)
     return stream.without_autotune(ds.prefetch(tf.data.AUTOTUNE))
 
   return dataset_fn

@@ -43,6 +43,9 @@ class ShardsOptions:
   max_bad_records: int = option(
       100, "With --skip_bad_records: stop past this many bad records.",
       lower=0)
+  data_service: str = option(
+      "", "A tf.data service dispatcher (grpc://HOST:PORT) whose workers "
+      "parse the training input; TFRecord shards (docs/data.md).")
   verify_checksums: bool = option(
       True, "Compare every shard's SHA-256 with the manifest before "
       "training (one read of the shards).")
@@ -107,6 +110,13 @@ def load(data_dir, seed, image_size=None, options=None) -> Dataset:
     raise UserError("--dataset=shards needs --data_dir=DIR, a directory "
                     "written by tools.make_shards")
   manifest = shard_format.read_manifest(data_dir)
+  if options.data_service and (manifest["format"] != "tfrecord"
+                               or options.skip_bad_records):
+    raise UserError(
+        f"--data_service takes TFRecord shards without --skip_bad_records "
+        f"({data_dir} holds {manifest['format']} shards): the service runs "
+        "the input's graph in other processes, where Python cannot go; "
+        "make TFRecord shards, or train without --data_service")
   if manifest["format"] == "arrayrecord":
     need_array_record()
   shard_format.check_files(data_dir, manifest, options.verify_checksums)
@@ -115,6 +125,8 @@ def load(data_dir, seed, image_size=None, options=None) -> Dataset:
     reader = shard_stream.Split(data_dir, manifest, split, image_size)
     if split == "train" and options.skip_bad_records:
       reader.skipper = bad_records.Skipper(options.max_bad_records, data_dir)
+    if split == "train":
+      reader.service = options.data_service
     for key in ("x", "y"):
       columns[f"{split}_{key}"] = Column(reader, key, options.shard_order)
   return Dataset(num_classes=manifest["num_classes"], task=manifest["task"],
