@@ -4,13 +4,14 @@ shards, over 2 devices, equals an uninterrupted run on shards."""
 
 import json
 import os
+import sys
 import sysconfig
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import read_events, run_main
+from conftest import read_events, run_launch, run_main
 from dist_loop import data, make_config
 from dist_loop.data import shard_format, shard_writer
 from helpers import initial_and_trained
@@ -129,3 +130,22 @@ def test_a_bad_record_stops_the_run_in_one_line_or_is_skipped_and_counted(
   assert summary["bad_records"] >= 1  # Record 5, in every epoch read.
   events = read_events(os.path.join(skipped, "tb"))
   assert max(events["train/data/bad_records"].values()) >= 1
+
+
+@pytest.mark.timeout(240)
+def test_launch_starts_two_data_workers_that_feed_the_run(tmp_path):
+  out = str(tmp_path / "tfrecord")
+  shard_writer.write(data.DATASETS.get("digits")(None, 0, None), "tfrecord",
+                     2, out, 0, {"dataset": "digits"})
+  workdir = str(tmp_path / "run")
+  result = run_launch(
+      "--num_workers=1", "--num_data_workers=2", "--", sys.executable, "-m",
+      "experiments.train", "--dataset=shards", f"--data_dir={out}",
+      "--model=mlp", f"--workdir={workdir}", "--train_steps=4",
+      "--steps_per_loop=2", "--log_every=2", "--eval_every=4",
+      "--checkpoint_every=4", timeout=200)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert "--data_service=grpc://localhost:" in open(
+      os.path.join(workdir, "flags.txt")).read()
+  assert json.load(open(os.path.join(workdir, "summary.json")))[
+      "final_step"] == 4

@@ -52,7 +52,7 @@ def distribute(ds: tf.data.Dataset, address: str) -> tf.data.Dataset:
       job_name=f"dist_loop-{uuid.uuid4().hex}"))
 
 
-def _free_ports(count: int) -> List[int]:
+def free_ports(count: int) -> List[int]:
   sockets = [socket.socket() for _ in range(count)]
   try:
     for s in sockets:
@@ -63,14 +63,16 @@ def _free_ports(count: int) -> List[int]:
       s.close()
 
 
-def start_local(num_workers: int) -> Tuple[str, list]:
-  """A dispatcher and `num_workers` workers in this process.
+def start_local(num_workers: int, port: int = 0) -> Tuple[str, list]:
+  """A dispatcher (on `port`, or a free one) and `num_workers` workers in
+  this process.
 
   Returns:
     (the dispatcher's address for --data_service, the servers; keep them
     referenced while the service is used).
   """
-  ports = _free_ports(num_workers + 1)
+  ports = free_ports(num_workers + 1)
+  ports[0] = port or ports[0]
   workers = [f"localhost:{p}" for p in ports[1:]]
   dispatcher = _service.DispatchServer(_service.DispatcherConfig(
       port=ports[0], worker_addresses=workers))
