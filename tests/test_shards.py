@@ -12,6 +12,7 @@ from dist_loop import strategy as strategy_lib
 from dist_loop.data import shard_format, shard_stream, shard_writer, shards
 from dist_loop.data import stream
 from dist_loop.data.base import Dataset
+from dist_loop.errors import UserError
 
 N = 96  # Examples: one epoch is 4 steps of 24.
 BATCH = 24
@@ -65,9 +66,12 @@ def test_an_epoch_covers_each_example_once_over_replicas_and_processes(
   two = [_ids(fn, 1, N // BATCH, pipelines=2, pipeline=p) for p in (0, 1)]
   seen = sum((sum(step, []) for p in two for step in p), [])
   assert sorted(seen) == list(range(N))
-  if fmt == "tfrecord":  # Each process reads its own files.
+  if fmt == "tfrecord":  # Each process reads its own files...
     halves = [set(sum((sum(s, []) for s in p), [])) for p in two]
     assert not halves[0] & halves[1]
+    with pytest.raises(UserError, match="4 TFRecord train shards for 8 "
+                       "processes"):  # ...so there must be one per process.
+      _ids(fn, 1, 1, pipelines=8)
 
 
 @pytest.mark.parametrize("fmt", shard_format.FORMATS)

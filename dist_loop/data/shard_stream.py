@@ -33,6 +33,7 @@ A record that does not match the spec stops the input with its file and
 index (`SPEC_ERROR` in the error's message: `describe_error`).
 """
 
+import os
 import re
 import threading
 from typing import Any, Dict, List, Optional, Tuple
@@ -134,6 +135,12 @@ class Split:
               pipelines: int) -> tf.data.Dataset:
     """This pipeline's (serialized, file, index) stream of TFRecords from
     its position `start`, epoch after epoch."""
+    if len(self.paths) < pipelines:
+      raise UserError(
+          f"{os.path.dirname(self.paths[0])} has {len(self.paths)} TFRecord "
+          f"train shards for {pipelines} processes, each of which reads "
+          f"its own; make the shards again with --num_shards a multiple of "
+          f"{pipelines}")
     paths = tf.constant(self.paths[pipeline::pipelines])
     counts = np.asarray(self.counts[pipeline::pipelines], np.int64)
     first_epoch, offset = divmod(start, int(counts.sum()))
