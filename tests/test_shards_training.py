@@ -66,27 +66,44 @@ def test_transformer_on_text_shards_equals_in_memory(tmp_path):
   assert _close(memory, sharded)
 
 
-def test_in_memory_run_resumed_on_shards_equals_uninterrupted(
-    digits_shards, tmp_path):
-  common = ["--model=cnn", "--num_devices=2", "--global_batch_size=32",
-            "--optimizer=sgd", "--learning_rate=0.1", "--steps_per_loop=2",
-            "--log_every=2", "--eval_every=4", "--checkpoint_every=2",
-            "--seed=1"]
-  shards = ["--dataset=shards", f"--data_dir={digits_shards}",
-            "--shard_order=memory"]
-  resumed, whole = str(tmp_path / "resumed"), str(tmp_path / "whole")
-  assert run_main(f"--workdir={resumed}", "--dataset=digits",
-                  "--train_steps=2", *common)[0] == 0
-  code, _, err = run_main(f"--workdir={resumed}", "--train_steps=4",
-                          "--allow_config_change", *shards, *common)
+COMMON = ["--num_devices=2", "--global_batch_size=32", "--optimizer=sgd",
+          "--learning_rate=0.1", "--steps_per_loop=2", "--log_every=2",
+          "--eval_every=4", "--checkpoint_every=2", "--seed=1"]
+
+
+def _resumed_equals_whole(tmp_path, first, then, whole):
+  """A run of `first` for 2 steps resumed with `then` to 4 ends as a run
+  of `whole` for 4 steps."""
+  resumed, uninterrupted = str(tmp_path / "resumed"), str(tmp_path / "whole")
+  assert run_main(f"--workdir={resumed}", "--train_steps=2", *first,
+                  *COMMON)[0] == 0
+  code, _, err = run_main(f"--workdir={resumed}", "--train_steps=4", *then,
+                          *COMMON)
   assert code == 0, err
-  assert run_main(f"--workdir={whole}", "--train_steps=4", *shards,
-                  *common)[0] == 0
+  assert run_main(f"--workdir={uninterrupted}", "--train_steps=4", *whole,
+                  *COMMON)[0] == 0
   summaries = [json.load(open(os.path.join(w, "summary.json")))
-               for w in (resumed, whole)]
+               for w in (resumed, uninterrupted)]
   assert summaries[0]["final_step"] == summaries[1]["final_step"] == 4
   assert summaries[0]["eval_loss"] == pytest.approx(summaries[1]["eval_loss"],
                                                     rel=1e-6)
+
+
+def test_in_memory_run_resumed_on_shards_equals_uninterrupted(
+    digits_shards, tmp_path):
+  shards = ["--model=cnn", "--dataset=shards", f"--data_dir={digits_shards}",
+            "--shard_order=memory"]
+  _resumed_equals_whole(tmp_path, ["--model=cnn", "--dataset=digits"],
+                        ["--allow_config_change", *shards], shards)
+
+
+def test_tfrecord_run_resumed_equals_uninterrupted(tmp_path):
+  out = str(tmp_path / "tfrecord")
+  # 45 records a file: the resume at record 64 skips a whole file first.
+  shard_writer.write(data.DATASETS.get("digits")(None, 0, None), "tfrecord",
+                     32, out, 0, {"dataset": "digits"})
+  shards = ["--model=mlp", "--dataset=shards", f"--data_dir={out}"]
+  _resumed_equals_whole(tmp_path, shards, shards, shards)
 
 
 def _digits_with_a_bad_record(tmp_path):
