@@ -232,8 +232,9 @@ def test_two_data_workers_produce_each_batch_of_the_stream_once(index_shards):
   from dist_loop.data import service  # pylint: disable=g-import-not-at-top
   address, servers = service.start_local(2)
   local = shards.load(index_shards["tfrecord"], 0).train_x
-  served = shards.load(index_shards["tfrecord"], 0, options=shards.ShardsOptions(
-      data_service=address)).train_x
+  served = shards.load(index_shards["tfrecord"], 0,
+                       options=shards.ShardsOptions(
+                           data_service=address)).train_x
   ctx = tf.distribute.InputContext()
   # The first epoch's 9 batches of 10: disjoint, so no two alike.
   expected = [tuple(b[0].numpy().ravel()) for b in

@@ -2,9 +2,10 @@
 
 Freeing a tf.data iterator that tf.data autotunes cancels its optimisation
 thread and waits for it, and that thread can miss the wake-up and sleep out
-its round, up to a minute (`data/stream.py`, `without_autotune`): a benchmark that
-closed 16 trainers hung for over ten minutes. So every iterator a trainer
-opens must run without autotuning, and `close` must free them.
+its round, up to a minute (`data/stream.py`, `without_autotune`): a
+benchmark that closed 16 trainers hung for over ten minutes. So every
+iterator a trainer opens must run without autotuning, and `close` must free
+them.
 """
 
 import gc

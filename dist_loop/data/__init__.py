@@ -1,6 +1,7 @@
-"""Datasets (a name registry) and the sharded input pipeline."""
+"""Datasets (a name registry), the sharded input pipeline, and shards."""
 
-from dist_loop.data import digits, mnist, shards, synthetic, text  # Registers them.
+# Importing them registers them.
+from dist_loop.data import digits, mnist, shards, synthetic, text
 from dist_loop.data.base import DATASETS, Dataset, load
 from dist_loop.data.shard_stream import input_error
 from dist_loop.data.shards import input_metrics
