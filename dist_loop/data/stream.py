@@ -91,7 +91,9 @@ def cut(indices: tf.data.Dataset, ctx: tf.distribute.InputContext,
 
 def train_dataset_fn(x, y, global_batch_size: int, seed: int,
                      start_step: int = 0):
-  """Returns a `dataset_fn(input_context)` for distribute_datasets_from_function.
+  """Returns a `dataset_fn(input_context)`: what `replica_input` reads
+  (each element one replica's batch, as tf.distribute's
+  `distribute_datasets_from_function` would take it).
 
   Args:
     x, y: the training arrays, or a dataset's file-backed columns
