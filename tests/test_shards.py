@@ -245,3 +245,22 @@ def test_two_data_workers_produce_each_batch_of_the_stream_once(index_shards):
   assert len(set(got)) == len(got)  # No batch twice: static sharding.
   assert set(got) <= set(expected)  # The stream's own batches.
   del servers
+
+
+def test_a_users_npz_becomes_shards_that_read_back_equal(tmp_path):
+  rng = np.random.RandomState(0)
+  arrays = {"x_train": rng.rand(30, 4, 4, 1).astype(np.float32),
+            "y_train": rng.randint(0, 3, 30), "x_test": rng.rand(
+                7, 4, 4, 1).astype(np.float32), "y_test": rng.randint(0, 3, 7)}
+  path = str(tmp_path / "mine.npz")
+  np.savez(path, **arrays)
+  out = _write(shard_writer.from_npz(path), "arrayrecord",
+               str(tmp_path / "mine"), num_shards=2)
+  loaded = shards.load(out, 0)
+  x, y = next(iter(loaded.eval_x.eval_dataset(100)))
+  np.testing.assert_array_equal(x.numpy(), arrays["x_test"])
+  np.testing.assert_array_equal(y.numpy(), arrays["y_test"])
+  assert loaded.num_classes == 3 and loaded.train_x.shape == (30, 4, 4, 1)
+  np.savez(path, x_train=arrays["x_train"])
+  with pytest.raises(UserError, match="lacks y_train, x_test, y_test"):
+    shard_writer.from_npz(path)
