@@ -264,3 +264,26 @@ def test_a_users_npz_becomes_shards_that_read_back_equal(tmp_path):
   np.savez(path, x_train=arrays["x_train"])
   with pytest.raises(UserError, match="lacks y_train, x_test, y_test"):
     shard_writer.from_npz(path)
+
+
+def _inputs_of(path):
+  """The example ids (inputs) in a TFRecord shard of `index_shards`."""
+  return {int(np.frombuffer(tf.train.Example.FromString(r.numpy()).features
+                            .feature["x"].bytes_list.value[0], np.float32)[0])
+          for r in tf.data.TFRecordDataset(path)}
+
+
+def test_a_tfrecord_resume_does_not_open_the_files_it_skips(index_shards,
+                                                           tmp_path):
+  import shutil  # pylint: disable=g-import-not-at-top
+  out = str(tmp_path / "copy")
+  shutil.copytree(index_shards["tfrecord"], out)
+  col = _column(out)  # Checked against the manifest now, intact.
+  whole = _ids(col.train_dataset_fn(BATCH, 5, 0), 1, 4)
+  skipped = set(sum((step[0] for step in whole[:3]), []))  # 3 whole files.
+  for name in os.listdir(out):
+    path = os.path.join(out, name)
+    if name.startswith("train-") and _inputs_of(path) <= skipped:
+      with open(path, "wb") as f:  # Unreadable if it were opened.
+        f.write(b"\0" * 16)
+  assert _ids(col.train_dataset_fn(BATCH, 5, 3), 1, 1) == whole[3:4]

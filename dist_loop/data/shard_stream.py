@@ -119,15 +119,17 @@ class Split:
   # -- random access --
 
   def read(self, indices):
-    """Records by global index (ArrayRecord): (serialized, files)."""
+    """Records by global index (ArrayRecord): (serialized, their files,
+    their indices within them)."""
     indices = tf.cast(indices, tf.int64)  # The in-memory order's are int32.
     serialized = tf.numpy_function(self._arrayrecords.read, [indices],
                                    tf.string, stateful=False)
     serialized.set_shape(indices.shape)
-    starts = tf.constant(np.cumsum([0] + self.counts)[1:-1], tf.int64)
-    files = tf.gather(tf.constant(self.paths),
-                      tf.searchsorted(starts, indices, side="right"))
-    return serialized, files
+    starts = np.cumsum([0] + self.counts)[:-1]
+    file_of = tf.searchsorted(tf.constant(starts[1:], tf.int64), indices,
+                              side="right")
+    return (serialized, tf.gather(tf.constant(self.paths), file_of),
+            indices - tf.gather(tf.constant(starts, tf.int64), file_of))
 
   # -- sequential --
 
@@ -153,11 +155,14 @@ class Split:
       order = tf.argsort(keys)
       skip_all = tf.where(e == first_epoch, tf.constant(offset, tf.int64),
                           tf.constant(0, tf.int64))
-      ends = tf.cumsum(tf.gather(counts_t, order))
-      skips = tf.clip_by_value(skip_all - (ends - tf.gather(counts_t, order)),
-                               0, tf.gather(counts_t, order))
+      sizes = tf.gather(counts_t, order)
+      skips = tf.clip_by_value(skip_all - (tf.cumsum(sizes) - sizes), 0,
+                               sizes)
+      # The files wholly before the position are not opened.
+      kept = skips < sizes
       return (tf.data.Dataset.from_tensor_slices(
-          (tf.gather(paths, order), skips))
+          (tf.boolean_mask(tf.gather(paths, order), kept),
+           tf.boolean_mask(skips, kept)))
               .flat_map(_no_autograph(files_of)))
 
     return tf.data.Dataset.range(first_epoch, _FOREVER).flat_map(epoch)
@@ -227,8 +232,7 @@ def train_dataset_fn(split: Split, global_batch_size: int, seed: int,
       else:
         ids = shuffled_indices(split.num_records, seed, start)
       ids = stream.cut(ids, ctx, per_replica)
-      ds = ids.map(_no_autograph(
-          lambda i: (*split.read(i), tf.cast(i, tf.int64))),
+      ds = ids.map(_no_autograph(split.read),
                    num_parallel_calls=stream.parallel_calls(),
                    deterministic=True)
       records = ds.unbatch()
@@ -258,7 +262,7 @@ def eval_dataset(split: Split, batch_size: int) -> tf.data.Dataset:
   records left out, not counted)."""
   if split.format == "arrayrecord":
     ds = (tf.data.Dataset.range(split.num_records).batch(batch_size)
-          .map(_no_autograph(lambda i: (*split.read(i), i))))
+          .map(_no_autograph(split.read)))
     records = ds.unbatch()
   else:
     records = (tf.data.Dataset.from_tensor_slices(
