@@ -2,7 +2,7 @@
 
 The library never reads flags: build a `Config` and call `run(config)`.
 It never sets up logging either: how much TensorFlow prints is the entry
-point's choice (`dist_loop/console.py`).
+point's choice (`dist_loop/runtime/console.py`).
 """
 
 import os
@@ -11,8 +11,8 @@ import os
 # TensorFlow's.
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
-from dist_loop.config import Config  # pylint: disable=g-import-not-at-top
-from dist_loop.errors import DivergedError, NonFiniteError, UserError
+from dist_loop.core.config import Config  # pylint: disable=g-import-not-at-top
+from dist_loop.core.errors import DivergedError, NonFiniteError, UserError
 
 
 def make_config(**fields):

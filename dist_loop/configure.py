@@ -7,19 +7,21 @@ The flag layer and `run` both call `validate`, so a bad combination fails at
 parse time, before any work.
 
 A registered mode, model or dataset may declare `Options`, a dataclass of
-`option(...)` fields (`dist_loop/options.py`): its flags. `COMPONENTS` says
+`option(...)` fields (`dist_loop/core/options.py`): its flags. `COMPONENTS` says
 which registry fills which `Config` field.
 """
 
 import dataclasses
 from typing import Any, Dict, List, Tuple
 
-from dist_loop import cluster as cluster_lib
-from dist_loop import data, models, modes, optim
-from dist_loop import options as options_lib
-from dist_loop.config import COMPONENT_FIELDS, Config
-from dist_loop.errors import UserError
-from dist_loop.registry import Registry
+from dist_loop import data, models
+from dist_loop.core import options as options_lib
+from dist_loop.core.config import COMPONENT_FIELDS, Config
+from dist_loop.core.errors import UserError
+from dist_loop.core.registry import Registry
+from dist_loop.parallel import modes
+from dist_loop.runtime import cluster as cluster_lib
+from dist_loop.training import optim
 
 # (selector field, registry, Config field of its options)
 COMPONENTS: Tuple[Tuple[str, Registry, str], ...] = (

@@ -1,7 +1,7 @@
 """`run(config)`: the whole training run, from a Config to summary.json.
 
-Order matters here (the write order is `dist_loop/workdir.py`'s). Everything
-that can fail on bad input (flags, the workdir's state, devices, data,
+Order matters here (the write order is `dist_loop/runtime/workdir.py`'s).
+Everything that can fail on bad input (flags, the workdir's state, devices, data,
 model) happens before anything is written, so an error at the door leaves
 an existing run exactly as it was. The run holds the workdir's lock from
 before TensorFlow's devices are configured to the end. The latest readable
@@ -22,21 +22,25 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from dist_loop import actions, checkpoints, configure, console, data
+from dist_loop import configure, data
 from dist_loop import models
-from dist_loop import devices, divergence, tasks
-from dist_loop import cluster as cluster_lib
-from dist_loop import preemption
-from dist_loop import workdir as workdir_lib
-from dist_loop.config import Config
-from dist_loop.controller import Controller
-from dist_loop.errors import DivergedError, Interrupted, UserError
-from dist_loop.evaluation import Evaluator, probe_gradients
-from dist_loop.files import atomic_write_text
-from dist_loop.modes import MODES, build_trainer
-from dist_loop.modes.base import Reporting
-from dist_loop.recovery import NonFinitePolicy
-from dist_loop.summaries import LOGDIR, Summaries
+from dist_loop import tasks
+from dist_loop.control import actions
+from dist_loop.control import divergence
+from dist_loop.control.controller import Controller
+from dist_loop.control.evaluation import Evaluator, probe_gradients
+from dist_loop.control.recovery import NonFinitePolicy
+from dist_loop.core.config import Config
+from dist_loop.core.errors import DivergedError, Interrupted, UserError
+from dist_loop.parallel.modes import MODES, build_trainer
+from dist_loop.parallel.modes.base import Reporting
+from dist_loop.runtime import checkpoints, console
+from dist_loop.runtime import cluster as cluster_lib
+from dist_loop.runtime import devices
+from dist_loop.runtime import preemption
+from dist_loop.runtime import workdir as workdir_lib
+from dist_loop.runtime.files import atomic_write_text
+from dist_loop.runtime.summaries import LOGDIR, Summaries
 
 FLAGS_FILE = workdir_lib.FLAGS_FILE
 SUMMARY_FILE = workdir_lib.SUMMARY_FILE
@@ -60,7 +64,8 @@ def run(config: Config, flags_text: Optional[str] = None,
   Raises:
     UserError: bad input; nothing in the workdir was changed.
     NonFiniteError: the loss or gradients became non-finite.
-    DivergedError: the run finished diverged (`dist_loop/divergence.py`);
+    DivergedError: the run finished diverged
+    (`dist_loop/control/divergence.py`);
       its checkpoint and summary.json were written.
     Interrupted: Ctrl-C or SIGTERM, at any moment of the run.
   """

@@ -1,7 +1,7 @@
 """The command-line contract: flag definitions, parse-time checks, Config.
 
 Every flag is generated from a dataclass of `option(...)` fields
-(`dist_loop/options.py`): the run-wide flags from `dist_loop.Config`, and
+(`dist_loop/core/options.py`): the run-wide flags from `dist_loop.Config`, and
 each mode's, model's and dataset's from the `Options` it declares. A flag's
 type, default, help, bounds, choices and `--helpfull` group are what the
 field declares, so they are written once; this file does not change when a
@@ -24,11 +24,12 @@ from typing import Any, Dict, Optional, Tuple
 
 from absl import flags
 
-from dist_loop import cluster as cluster_lib
-from dist_loop import config as config_lib
-from dist_loop import configure, optim
-from dist_loop import options as options_lib
-from dist_loop.errors import UserError
+from dist_loop import configure
+from dist_loop.core import config as config_lib
+from dist_loop.core import options as options_lib
+from dist_loop.core.errors import UserError
+from dist_loop.runtime import cluster as cluster_lib
+from dist_loop.training import optim
 from experiments import extensions  # pylint: disable=unused-import
 
 FLAGS = flags.FLAGS

@@ -7,7 +7,7 @@ Rerunning the same command resumes from the workdir's latest checkpoint.
 `--helpfull` lists every flag, with each mode's, model's and dataset's own
 options under its name. The terminal shows the run's own lines only;
 `--verbosity=1` adds TensorFlow's warnings, `--verbosity=2` everything
-(`dist_loop/console.py`).
+(`dist_loop/runtime/console.py`).
 
 Flagfiles are read here, before absl parses (`expand_flagfiles`): a nested
 `--flagfile` is found next to the file that names it, so a flagfile works
@@ -53,7 +53,7 @@ if __name__ == "__main__":
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import flags
 
-from dist_loop import console, process_exit
+from dist_loop.runtime import console, process_exit
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 _FLAGFILE = ("--flagfile", "-flagfile")

@@ -280,7 +280,7 @@ def main(argv):
   workdir, out = os.path.abspath(argv[1]), argv[2]
   with open(os.path.join(workdir, "summary.json")) as f:
     final_step = json.load(f)["final_step"]
-  from dist_loop import console  # pylint: disable=g-import-not-at-top
+  from dist_loop.runtime import console  # pylint: disable=g-import-not-at-top
   console.start(0)  # TensorFlow, imported below, starts quietly.
   name = os.path.basename(workdir)
   with serve(os.path.dirname(workdir), f"{name}/tb/eval", "accuracy",

@@ -53,9 +53,9 @@ def pytest_configure(config):
   if getattr(config.option, "numprocesses", None) and not hasattr(
       config, "workerinput"):
     return
-  from dist_loop import tf_import  # pylint: disable=g-import-not-at-top
+  from dist_loop.runtime import tf_import  # pylint: disable=g-import-not-at-top
   tf_import.import_tensorflow()
-  from dist_loop import devices  # pylint: disable=g-import-not-at-top
+  from dist_loop.runtime import devices  # pylint: disable=g-import-not-at-top
   devices.configure(NUM_TEST_DEVICES, "cpu")
   # Tracing makes objects by the million, and each of the collector's full
   # walks also went over every module object TensorFlow and Keras made at
@@ -112,9 +112,9 @@ def pytest_collection_modifyitems(items):
 
 def checkpoint_variables(config):
   """The trainable variables of a run's latest checkpoint, as numpy."""
-  from dist_loop import checkpoints  # pylint: disable=g-import-not-at-top
+  from dist_loop.runtime import checkpoints  # pylint: disable=g-import-not-at-top
   return [np.asarray(v) for v in
-          checkpoints.load_model(config).trainable_variables]
+          weights.load_model(config).trainable_variables]
 
 
 def trained_variables(config):
@@ -134,7 +134,7 @@ def read_events(logdir):
 
   Args:
     logdir: a directory as `tensorboard --logdir` takes it, usually
-      WORKDIR/tb (`dist_loop.summaries.LOGDIR`).
+      WORKDIR/tb (`dist_loop.runtime.summaries.LOGDIR`).
 
   Returns:
     {name: {step: value}}, named as TensorBoard names them: RUN/TAG, where
@@ -233,7 +233,7 @@ def eager_costs(monkeypatch):
   adds a trace to each pipeline trainer, and only the tests of costs and of
   `auto` (test_pipeline_v2.py) and the flagfiles that ask for it need it.
   Use with `pytestmark = pytest.mark.usefixtures("eager_costs")`."""
-  from dist_loop.modes.pipeline import PipelineTrainer  # pylint: disable=g-import-not-at-top
+  from dist_loop.parallel.modes.pipeline import PipelineTrainer  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(PipelineTrainer, "cost_measurement", "eager")
 
 

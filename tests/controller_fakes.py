@@ -11,12 +11,12 @@ import types
 
 import numpy as np
 
-from dist_loop import actions
-from dist_loop.config import Config
-from dist_loop.controller import Controller
-from dist_loop.errors import NonFiniteError
-from dist_loop.modes.base import Report, Reporting
-from dist_loop.recovery import NonFinitePolicy
+from dist_loop.control import actions
+from dist_loop.control.controller import Controller
+from dist_loop.control.recovery import NonFinitePolicy
+from dist_loop.core.config import Config
+from dist_loop.core.errors import NonFiniteError
+from dist_loop.parallel.modes.base import Report, Reporting
 
 EXAMPLES_PER_STEP = 8
 METRICS = ("loss", "accuracy")

@@ -9,10 +9,11 @@ the fixtures and the helpers that run whole programs (`run_main`,
 import keras
 import numpy as np
 
-from dist_loop import configure, data, devices, models
-from dist_loop.cluster import Cluster
+from dist_loop import configure, data, models
 from dist_loop.data.base import DATASETS, Dataset
-from dist_loop.modes import build_trainer
+from dist_loop.parallel.modes import build_trainer
+from dist_loop.runtime import devices
+from dist_loop.runtime.cluster import Cluster
 
 NAN_DATASET = "test_nan"  # Every example is NaN: every step is non-finite.
 

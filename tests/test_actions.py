@@ -11,8 +11,8 @@ from absl import logging
 
 from controller_fakes import (FakeCheckpointer, FakeSummaries, FakeTrainer,
                               ReportingTrainer, inputs)
-from dist_loop import actions
-from dist_loop.config import Config
+from dist_loop.control import actions
+from dist_loop.core.config import Config
 
 
 def _loop(start, end, loss=None, skipped=0, seconds=1.0, **metrics):

@@ -1,4 +1,4 @@
-"""The Summary action alone (dist_loop/actions/summary.py): summary.json
+"""The Summary action alone (dist_loop/control/actions/summary.py): summary.json
 from its parts, the steady-state throughput, off the chief, and a write
 that fails."""
 
@@ -8,9 +8,9 @@ import json
 import pytest
 
 from controller_fakes import FakeSummaries
-from dist_loop import actions
-from dist_loop.actions import summary as summary_lib
-from dist_loop.errors import UserError
+from dist_loop.control import actions
+from dist_loop.control.actions import summary as summary_lib
+from dist_loop.core.errors import UserError
 
 
 def _loop(start, end, skipped=0, seconds=1.0):

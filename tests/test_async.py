@@ -13,17 +13,18 @@ import tensorflow as tf
 
 from conftest import read_events
 from helpers import load_data
-from dist_loop import UserError, checkpoints, configure, devices, models
 from dist_loop import train
-from dist_loop.cluster import Cluster
-from dist_loop.errors import Interrupted
+from dist_loop import UserError, configure, models
+from dist_loop.control.evaluation import Evaluator
+from dist_loop.core.errors import Interrupted
 from dist_loop.data import train_dataset_fn
-from dist_loop.evaluation import Evaluator
-from dist_loop.modes.asynchronous import threads
-from dist_loop.modes.asynchronous.session import Session
-from dist_loop.modes.asynchronous.trainer import AsyncTrainer
-from dist_loop.modes.asynchronous.threads import WorkerFailed
-from dist_loop.summaries import LOGDIR
+from dist_loop.parallel.modes.asynchronous import threads
+from dist_loop.parallel.modes.asynchronous.session import Session
+from dist_loop.parallel.modes.asynchronous.threads import WorkerFailed
+from dist_loop.parallel.modes.asynchronous.trainer import AsyncTrainer
+from dist_loop.runtime import checkpoints, devices
+from dist_loop.runtime.cluster import Cluster
+from dist_loop.runtime.summaries import LOGDIR
 
 
 def async_threads():
@@ -190,11 +191,11 @@ def test_run_logs_staleness_and_resumes_in_sync_mode(small_config):
   resumed = train.run(sync)
   assert resumed["final_step"] == 25
   # The checkpoint holds the master that the run evaluated last.
-  model = checkpoints.load_model(sync)
+  model = weights.load_model(sync)
   evaluator = Evaluator(model, load_data(sync), 256)  # Traced once.
   loaded = evaluator.evaluate()
   assert loaded["eval/loss"] == pytest.approx(resumed["eval_loss"], abs=1e-6)
-  model.set_weights(checkpoints.load_model(
+  model.set_weights(weights.load_model(
       config, os.path.join(config.workdir, "checkpoints", "ckpt-20")
   ).get_weights())
   at_20 = evaluator.evaluate()

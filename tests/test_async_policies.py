@@ -17,12 +17,14 @@ import pytest
 import tensorflow as tf
 
 from helpers import load_data
-from dist_loop import UserError, configure, data, devices, models, optim, tasks
-from dist_loop.cluster import Cluster
-from dist_loop.modes.asynchronous import policies
-from dist_loop.modes.asynchronous.applier import Applier
-from dist_loop.modes.asynchronous.trainer import AsyncTrainer
-from dist_loop.modes.asynchronous.worker import Push, Worker
+from dist_loop import UserError, configure, data, models, tasks
+from dist_loop.parallel.modes.asynchronous import policies
+from dist_loop.parallel.modes.asynchronous.applier import Applier
+from dist_loop.parallel.modes.asynchronous.trainer import AsyncTrainer
+from dist_loop.parallel.modes.asynchronous.worker import Push, Worker
+from dist_loop.runtime import devices
+from dist_loop.runtime.cluster import Cluster
+from dist_loop.training import optim
 
 LINEAR = "linear_async_test"
 NUM_WORKERS = 4

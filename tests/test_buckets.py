@@ -15,10 +15,11 @@ import pytest
 import tensorflow as tf
 
 from conftest import max_diff, read_events, trained_variables
-from dist_loop import checkpoints, configure, devices
-from dist_loop.cluster import Cluster
-from dist_loop.errors import UserError
-from dist_loop.modes import build_trainer
+from dist_loop import configure
+from dist_loop.core.errors import UserError
+from dist_loop.parallel.modes import build_trainer
+from dist_loop.runtime import checkpoints, devices
+from dist_loop.runtime.cluster import Cluster
 from helpers import load_data, make_trainer, variables
 
 TINY_BUCKET_MB = 0.001  # About 1 KB: every gradient of the test MLP its own.

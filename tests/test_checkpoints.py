@@ -11,11 +11,13 @@ import tensorflow as tf
 
 from conftest import REPO
 from helpers import load_data
-from dist_loop import checkpoint_names, checkpoints, cluster, configure
-from dist_loop import devices, train
-from dist_loop.config import parse_flagfile
-from dist_loop.errors import UserError
-from dist_loop.modes import build_trainer
+from dist_loop import configure
+from dist_loop import train
+from dist_loop.core.config import parse_flagfile
+from dist_loop.core.errors import UserError
+from dist_loop.parallel.modes import build_trainer
+from dist_loop.runtime import checkpoint_names, checkpoints, cluster
+from dist_loop.runtime import devices
 
 V0 = os.path.join(REPO, "tests", "data", "checkpoint_v0")
 
@@ -276,9 +278,9 @@ def test_a_run_from_before_the_restructure_is_resumed_by_train_run(
 def test_load_model_reads_the_latest_checkpoint(small_config, tmp_path):
   workdir = tmp_path / "v0"
   shutil.copytree(V0, workdir)
-  model = checkpoints.load_model(_v0_config(small_config, workdir))
+  model = weights.load_model(_v0_config(small_config, workdir))
   expected = np.load(os.path.join(V0, "expected_weights.npz"))
   for i, variable in enumerate(model.trainable_variables):
     np.testing.assert_array_equal(np.asarray(variable), expected[f"arr_{i}"])
   with pytest.raises(FileNotFoundError):
-    checkpoints.load_model(_v0_config(small_config, tmp_path / "empty"))
+    weights.load_model(_v0_config(small_config, tmp_path / "empty"))

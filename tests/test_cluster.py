@@ -9,8 +9,9 @@ import re
 import pytest
 
 from conftest import run_main
-from dist_loop import cluster, configure
-from dist_loop.errors import UserError
+from dist_loop import configure
+from dist_loop.core.errors import UserError
+from dist_loop.runtime import cluster
 
 LIBRARY = pathlib.Path(cluster.__file__).parent
 

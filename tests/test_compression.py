@@ -19,12 +19,14 @@ import pytest
 import tensorflow as tf
 
 from conftest import checkpoint_variables, max_diff, read_events
-from dist_loop import checkpoints, compression, configure, devices, train
-from dist_loop import strategy as strategy_lib
-from dist_loop.cluster import Cluster
-from dist_loop.errors import UserError
-from dist_loop.modes.sync.options import SyncOptions
-from dist_loop.summaries import LOGDIR
+from dist_loop import configure, train
+from dist_loop.core.errors import UserError
+from dist_loop.parallel import compression
+from dist_loop.parallel.modes.sync.options import SyncOptions
+from dist_loop.runtime import checkpoints, devices
+from dist_loop.runtime import strategy as strategy_lib
+from dist_loop.runtime.cluster import Cluster
+from dist_loop.runtime.summaries import LOGDIR
 from helpers import make_trainer, variables
 
 STEPS = 12

@@ -6,12 +6,12 @@ import dataclasses
 import pytest
 
 from dist_loop import configure
-from dist_loop import options as options_lib
-from dist_loop.cluster import Cluster
-from dist_loop.config import Config, check_divisible, parse_flagfile
-from dist_loop.errors import UserError
-from dist_loop.modes.pipeline.options import PipelineOptions
-from dist_loop.modes.sync.options import SyncOptions
+from dist_loop.core import options as options_lib
+from dist_loop.core.config import Config, check_divisible, parse_flagfile
+from dist_loop.core.errors import UserError
+from dist_loop.parallel.modes.pipeline.options import PipelineOptions
+from dist_loop.parallel.modes.sync.options import SyncOptions
+from dist_loop.runtime.cluster import Cluster
 
 ONE_PROCESS = Cluster()
 TWO_WORKERS = Cluster({"worker": ["a:1", "b:2"]}, "worker", 0)

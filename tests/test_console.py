@@ -15,7 +15,7 @@ import tensorflow as tf
 from absl import logging as absl_logging
 
 from conftest import REPO
-from dist_loop import console
+from dist_loop.runtime import console
 from experiments import train as entry
 
 OURS = os.path.join(REPO, "dist_loop", "controller.py")

@@ -11,9 +11,9 @@ import pytest
 
 from controller_fakes import FakeTrainer
 from controller_fakes import run as _run
-from dist_loop.actions import Action
-from dist_loop.controller import Controller
-from dist_loop.errors import Interrupted, NonFiniteError, UserError
+from dist_loop.control.actions import Action
+from dist_loop.control.controller import Controller
+from dist_loop.core.errors import Interrupted, NonFiniteError, UserError
 
 
 def _events(log, kind):

@@ -5,9 +5,9 @@ import pytest
 import tensorflow as tf
 
 from dist_loop import data
-from dist_loop import strategy as strategy_lib
-from dist_loop.errors import UserError
+from dist_loop.core.errors import UserError
 from dist_loop.data import stream
+from dist_loop.runtime import strategy as strategy_lib
 
 N = 96  # Examples; a multiple of the global batch, so one epoch = 4 steps.
 GLOBAL_BATCH = 24

@@ -21,9 +21,9 @@ import pytest
 from conftest import run_main
 from helpers import load_data
 from dist_loop import data, make_config
+from dist_loop.core.errors import UserError
 from dist_loop.data import base
 from dist_loop.data.base import Dataset
-from dist_loop.errors import UserError
 
 SEED = 20260117
 

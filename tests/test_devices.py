@@ -6,8 +6,8 @@ import pytest
 import tensorflow as tf
 
 from conftest import NUM_TEST_DEVICES
-from dist_loop import devices
-from dist_loop.errors import UserError
+from dist_loop.core.errors import UserError
+from dist_loop.runtime import devices
 
 
 def test_names_are_the_first_n_logical_cpus_in_order():

@@ -23,9 +23,10 @@ import tensorflow as tf
 from tensorflow.python.ops import summary_ops_v2
 
 from conftest import run_main
-from dist_loop import checkpoints, lock, train
-from dist_loop.errors import UserError
-from dist_loop.summaries import Summaries
+from dist_loop import train
+from dist_loop.core.errors import UserError
+from dist_loop.runtime import checkpoints, lock
+from dist_loop.runtime.summaries import Summaries
 
 ENOSPC = os.strerror(errno.ENOSPC)  # "No space left on device"
 RUN = ["--dataset=synthetic", "--model=mlp", "--global_batch_size=16",

@@ -3,8 +3,8 @@ in summary.json; a run that keeps skipping its steps stops.
 
 End to end on the tiny config (SGD at a learning rate of 100 takes the MLP's
 loss from 2.4 to about 1e21 in 10 steps), plus the verdict itself
-(`dist_loop/divergence.py`) on chosen losses, and a non-finite evaluation
-through the controller's fakes. That a healthy run is not diverged is
+(`dist_loop/control/divergence.py`) on chosen losses, and a non-finite
+evaluation through the controller's fakes. That a healthy run is not diverged is
 checked on the resumed run of test_sync.py
 (test_the_run_leaves_summary_json_and_flags).
 """
@@ -17,8 +17,9 @@ import pytest
 
 from conftest import run_main
 from controller_fakes import run as fake_run
-from dist_loop import divergence, make_config, train
-from dist_loop.errors import DivergedError, NonFiniteError, UserError
+from dist_loop import make_config, train
+from dist_loop.control import divergence
+from dist_loop.core.errors import DivergedError, NonFiniteError, UserError
 
 DIVERGING = dict(dataset="synthetic", model="mlp", num_devices=1,
                  global_batch_size=32, train_steps=10, optimizer="sgd",

@@ -14,12 +14,14 @@ import types
 import pytest
 import tensorflow as tf
 
-from dist_loop import optim, staleness, train
-from dist_loop.errors import DivergedError, NonFiniteError, UserError
-from dist_loop.modes import MODES
-from dist_loop.modes.asynchronous.applier import Applier
-from dist_loop.modes.asynchronous.worker import Push
-from dist_loop.modes.ps import stats, update
+from dist_loop import train
+from dist_loop.core.errors import DivergedError, NonFiniteError, UserError
+from dist_loop.parallel import staleness
+from dist_loop.parallel.modes import MODES
+from dist_loop.parallel.modes.asynchronous.applier import Applier
+from dist_loop.parallel.modes.asynchronous.worker import Push
+from dist_loop.parallel.modes.ps import stats, update
+from dist_loop.training import optim
 from experiments import extensions  # noqa: F401  (registers single_device)
 from helpers import make_trainer
 

@@ -46,9 +46,9 @@ import dist_loop
 from conftest import REPO, run_main
 from helpers import make_trainer
 from dist_loop import Config, configure, data, train
+from dist_loop.core import options as options_lib
 from dist_loop.data import shard_writer
-from dist_loop import options as options_lib
-from dist_loop import cluster as cluster_lib
+from dist_loop.runtime import cluster as cluster_lib
 from experiments import flags as run_flags
 from experiments import train as entry
 from tools import local_cluster

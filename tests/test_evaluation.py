@@ -6,8 +6,8 @@ import keras
 import numpy as np
 import pytest
 
+from dist_loop.control.evaluation import Evaluator, probe_gradients
 from dist_loop.data import Dataset
-from dist_loop.evaluation import Evaluator, probe_gradients
 from dist_loop.tasks import TASKS
 
 FEATURES, CLASSES = 4, 3

@@ -10,9 +10,9 @@ from absl.testing import flagsaver
 from conftest import max_diff
 from dist_loop import UserError, make_config
 from dist_loop.models import MODELS
-from dist_loop.modes import MODES
-from dist_loop.modes.asynchronous import policies
-from dist_loop.modes.pipeline import schedule as schedule_lib
+from dist_loop.parallel.modes import MODES
+from dist_loop.parallel.modes.asynchronous import policies
+from dist_loop.parallel.modes.pipeline import schedule as schedule_lib
 from experiments import flags as run_flags
 from experiments.extensions import eager_1f1b, exp_staleness, residual_cnn
 from experiments.extensions import single_device

@@ -1,4 +1,4 @@
-"""dist_loop/files.py: crash-safe writes, and the words of a failed one."""
+"""dist_loop/runtime/files.py: crash-safe writes, and the words of a failed one."""
 
 import errno
 import json
@@ -7,7 +7,7 @@ import os
 import pytest
 import tensorflow as tf
 
-from dist_loop import files
+from dist_loop.runtime import files
 
 
 def _full_disk(*args, **kwargs):

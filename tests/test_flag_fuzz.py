@@ -40,8 +40,8 @@ from absl.testing import flagsaver
 
 from conftest import REPO, run_main, run_train
 from dist_loop import configure
-from dist_loop.cluster import Cluster
-from dist_loop.errors import UserError
+from dist_loop.core.errors import UserError
+from dist_loop.runtime.cluster import Cluster
 from experiments import flags as run_flags
 from experiments import train as entry
 

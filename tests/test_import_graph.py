@@ -154,12 +154,12 @@ def test_edges_go_to_the_most_specific_module_and_count_function_imports():
   found = set((a, b) for a, _, b in edges())
   # `from dist_loop import configure` inside `dist_loop.make_config`.
   assert ("dist_loop", "dist_loop.configure") in found
-  # `from dist_loop.errors import UserError`: the module, not a name in it.
-  assert ("dist_loop.config", "dist_loop.errors") in found
+  # `from dist_loop.core.errors import UserError`: the module, not a name in it.
+  assert ("dist_loop.core.config", "dist_loop.core.errors") in found
   # `from dist_loop.data import Dataset`: a name, so the package.
-  assert ("dist_loop.modes.base", "dist_loop.data") in found
+  assert ("dist_loop.parallel.modes.base", "dist_loop.data") in found
   # No implicit edge from a submodule to its parent package.
-  assert ("dist_loop.modes.base", "dist_loop.modes") not in found
+  assert ("dist_loop.parallel.modes.base", "dist_loop.parallel.modes") not in found
 
 
 # -- the rules --
@@ -192,15 +192,15 @@ def test_nothing_in_the_library_reads_flags():
 
 def test_config_imports_nothing_above_it():
   graph = _graph(edges())
-  direct = {b for _, _, b in graph.get("dist_loop.config", ())}
-  assert direct <= {"dist_loop.errors", "dist_loop.options"}, direct
+  direct = {b for _, _, b in graph.get("dist_loop.core.config", ())}
+  assert direct <= {"dist_loop.core.errors", "dist_loop.core.options"}, direct
   # Nor through them.
-  assert _closure(graph, "dist_loop.config") <= {
-      "dist_loop.errors", "dist_loop.options"}
+  assert _closure(graph, "dist_loop.core.config") <= {
+      "dist_loop.core.errors", "dist_loop.core.options"}
 
 
 def test_config_reads_no_environment():
-  tree = _parse("dist_loop.config")
+  tree = _parse("dist_loop.core.config")
   names = {n.attr if isinstance(n, ast.Attribute) else n.id
            for n in ast.walk(tree) if isinstance(n, (ast.Attribute, ast.Name))}
   assert not names & {"environ", "getenv"}

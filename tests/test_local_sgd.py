@@ -18,17 +18,19 @@ import tensorflow as tf
 
 from conftest import max_diff
 from helpers import NAN_DATASET, load_data
-import dist_loop.modes.local_sgd  # noqa: F401  (registers the mode)
-from dist_loop import checkpoints, configure, devices, optim, resume, train
-from dist_loop import step as step_lib
-from dist_loop import strategy as strategy_lib
-from dist_loop.cluster import Cluster
+import dist_loop.parallel.modes.local_sgd  # noqa: F401  (registers the mode)
+from dist_loop import configure, train
+from dist_loop.core.errors import NonFiniteError, UserError
 from dist_loop.data.stream import train_dataset_fn
-from dist_loop.errors import NonFiniteError, UserError
-from dist_loop.modes import build_trainer
-from dist_loop import replicas
-from dist_loop.modes.local_sgd import outer
-from dist_loop.modes.local_sgd.options import LocalSGDOptions
+from dist_loop.parallel.modes import build_trainer
+from dist_loop.parallel.modes.local_sgd import outer
+from dist_loop.parallel.modes.local_sgd.options import LocalSGDOptions
+from dist_loop.runtime import checkpoints, devices, resume
+from dist_loop.runtime import strategy as strategy_lib
+from dist_loop.runtime.cluster import Cluster
+from dist_loop.training import optim
+from dist_loop.training import replicas
+from dist_loop.training import step as step_lib
 
 LOCAL = dict(mode="local_sgd", num_devices=2)
 

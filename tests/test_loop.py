@@ -1,4 +1,4 @@
-"""The loop base (`dist_loop/modes/loop.py`), with a scripted fake mode.
+"""The loop base (`dist_loop/parallel/modes/loop.py`), with a scripted fake mode.
 
 `_Scripted` has no model: each replica's step reads one row of a script,
 (loss, applied, grad_norm), so a test says exactly what every replica
@@ -13,13 +13,14 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from dist_loop import devices, make_config
-from dist_loop import precision as precision_lib
-from dist_loop import strategy as strategy_lib
-from dist_loop.cluster import Cluster
+from dist_loop import make_config
+from dist_loop.core.errors import NonFiniteError
 from dist_loop.data import Dataset
-from dist_loop.errors import NonFiniteError
-from dist_loop.modes.loop import LoopTrainer, StepResult
+from dist_loop.parallel.modes.loop import LoopTrainer, StepResult
+from dist_loop.runtime import devices
+from dist_loop.runtime import strategy as strategy_lib
+from dist_loop.runtime.cluster import Cluster
+from dist_loop.training import precision as precision_lib
 
 NAN = float("nan")
 R = 2  # Replicas.

@@ -6,7 +6,7 @@ import sys
 import pytest
 import tensorflow as tf
 
-from dist_loop import memory
+from dist_loop.runtime import memory
 
 MB = 1024 * 1024
 

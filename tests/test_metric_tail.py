@@ -13,10 +13,10 @@ import math
 
 import numpy as np
 
-from dist_loop.modes.base import train_metrics
-from dist_loop.modes.ps import stats
-from dist_loop.precision import DynamicLossScale
+from dist_loop.parallel.modes.base import train_metrics
+from dist_loop.parallel.modes.ps import stats
 from dist_loop.tasks import TASKS
+from dist_loop.training.precision import DynamicLossScale
 
 LM = TASKS.get("language_model")()
 LM_NAMES = {"train/loss", "train/accuracy", "train/bits_per_byte",

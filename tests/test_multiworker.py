@@ -42,8 +42,9 @@ import pytest
 import tensorflow as tf
 
 from conftest import REPO
-from dist_loop import checkpoints, make_config
-from dist_loop.summaries import LOGDIR, TRAIN
+from dist_loop import make_config
+from dist_loop.runtime import checkpoints
+from dist_loop.runtime.summaries import LOGDIR, TRAIN
 from helpers import make_trainer, variables
 from tools import launch
 
@@ -271,7 +272,7 @@ def test_two_workers_equal_one_process_with_two_devices(story):
     local.train(steps)
     path = os.path.join(story["workdir"], checkpoints.CHECKPOINT_DIR,
                         f"ckpt-{step}")
-    workers = checkpoints.load_model(config, path).trainable_variables
+    workers = weights.load_model(config, path).trainable_variables
     for a, b in zip(variables(local), workers):
       np.testing.assert_allclose(a, np.asarray(b), atol=1e-6, rtol=0)
   local.close()

@@ -5,9 +5,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from dist_loop import devices, optim
-from dist_loop import strategy as strategy_lib
-from dist_loop.errors import UserError
+from dist_loop.core.errors import UserError
+from dist_loop.runtime import devices
+from dist_loop.runtime import strategy as strategy_lib
+from dist_loop.training import optim
 
 GRAD = np.array([1.0, 2.0, 3.0], np.float32)
 

@@ -1,13 +1,13 @@
-"""Options (dist_loop/options.py): what a field declares, and `check`."""
+"""Options (dist_loop/core/options.py): what a field declares, and `check`."""
 
 import dataclasses
 from typing import Optional
 
 import pytest
 
-from dist_loop import options as options_lib
-from dist_loop.errors import UserError
-from dist_loop.registry import Registry
+from dist_loop.core import options as options_lib
+from dist_loop.core.errors import UserError
+from dist_loop.core.registry import Registry
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,13 +23,14 @@ import tensorflow as tf
 
 from conftest import max_diff
 from helpers import load_data
-from dist_loop import checkpoints, configure, data, devices, make_config, train
-from dist_loop.cluster import Cluster
+from dist_loop import configure, data, make_config, train
+from dist_loop.core.errors import UserError
 from dist_loop.data import Dataset
-from dist_loop.errors import UserError
 from dist_loop.models import MODELS
-from dist_loop.modes import build_trainer
-from dist_loop.modes.pipeline import PipelineTrainer
+from dist_loop.parallel.modes import build_trainer
+from dist_loop.parallel.modes.pipeline import PipelineTrainer
+from dist_loop.runtime import checkpoints, devices
+from dist_loop.runtime.cluster import Cluster
 
 STEPS = 6
 TOLERANCE = 1e-5

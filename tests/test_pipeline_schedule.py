@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from dist_loop.errors import UserError
-from dist_loop.modes.pipeline import action as action_lib
-from dist_loop.modes.pipeline import partition, simulator, timeline
-from dist_loop.modes.pipeline import schedule as sl
+from dist_loop.core.errors import UserError
+from dist_loop.parallel.modes.pipeline import action as action_lib
+from dist_loop.parallel.modes.pipeline import partition, simulator, timeline
+from dist_loop.parallel.modes.pipeline import schedule as sl
 
 
 def text(schedule):

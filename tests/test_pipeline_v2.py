@@ -22,13 +22,15 @@ from tensorflow.python.framework import config as tf_config  # pylint: disable=g
 
 from conftest import max_diff
 from helpers import load_data
-from dist_loop import configure, devices, make_config, models, tasks
-from dist_loop.cluster import Cluster
-from dist_loop.errors import UserError
+from dist_loop import configure, make_config, models, tasks
+from dist_loop.core.errors import UserError
 from dist_loop.models import MODELS
-from dist_loop.modes import build_trainer
-from dist_loop.modes.pipeline import PipelineTrainer, costs, planner, timing
-from dist_loop.modes.pipeline.chunk import Chunk
+from dist_loop.parallel.modes import build_trainer
+from dist_loop.parallel.modes.pipeline import PipelineTrainer, costs, planner
+from dist_loop.parallel.modes.pipeline import timing
+from dist_loop.parallel.modes.pipeline.chunk import Chunk
+from dist_loop.runtime import devices
+from dist_loop.runtime.cluster import Cluster
 
 STEPS = 3
 TOLERANCE = 1e-5

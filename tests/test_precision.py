@@ -8,12 +8,12 @@ import pytest
 import tensorflow as tf
 
 from dist_loop import configure, make_config
-from dist_loop.cluster import Cluster
-from dist_loop.errors import UserError
-from dist_loop.evaluation import Evaluator
-from dist_loop.modes import MODES, Trainer
-from dist_loop.modes.base import Reporting
-from dist_loop.precision import PRECISIONS, DynamicLossScale
+from dist_loop.control.evaluation import Evaluator
+from dist_loop.core.errors import UserError
+from dist_loop.parallel.modes import MODES, Trainer
+from dist_loop.parallel.modes.base import Reporting
+from dist_loop.runtime.cluster import Cluster
+from dist_loop.training.precision import PRECISIONS, DynamicLossScale
 from helpers import make_trainer, replica_copies
 
 DIGITS = dict(dataset="digits", model="mlp", optimizer="adam",

@@ -15,9 +15,9 @@ import threading
 import pytest
 
 from controller_fakes import run as _run
-from dist_loop import preemption, strategy
-from dist_loop.cluster import Cluster
-from dist_loop.errors import Interrupted
+from dist_loop.core.errors import Interrupted
+from dist_loop.runtime import preemption, strategy
+from dist_loop.runtime.cluster import Cluster
 
 
 def _events(log, kind):
@@ -194,9 +194,10 @@ def test_ctrl_c_at_start_up_is_one_clean_sigint(small_config, monkeypatch):
 
 def test_ctrl_c_while_shutting_down_keeps_the_error_that_ended_the_run(
     small_config, monkeypatch):
-  from dist_loop import checkpoints, train  # pylint: disable=g-import-not-at-top
-  from dist_loop.errors import UserError  # pylint: disable=g-import-not-at-top
-  from dist_loop.modes.sync.trainer import SyncTrainer  # pylint: disable=g-import-not-at-top
+  from dist_loop import train  # pylint: disable=g-import-not-at-top
+  from dist_loop.core.errors import UserError  # pylint: disable=g-import-not-at-top
+  from dist_loop.parallel.modes.sync.trainer import SyncTrainer  # pylint: disable=g-import-not-at-top
+  from dist_loop.runtime import checkpoints  # pylint: disable=g-import-not-at-top
 
   def unreadable(self, scope):
     raise UserError("no readable checkpoint")

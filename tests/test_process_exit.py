@@ -13,7 +13,7 @@ from conftest import REPO
 SCRIPT = """
 import atexit, importlib.util, sys
 spec = importlib.util.spec_from_file_location(
-    "process_exit", "dist_loop/process_exit.py")
+    "process_exit", "dist_loop/runtime/process_exit.py")
 process_exit = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(process_exit)
 

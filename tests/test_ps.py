@@ -22,14 +22,17 @@ import tensorflow as tf
 
 from conftest import read_events
 from helpers import load_data
-from dist_loop import checkpoints, configure, optim, staleness
-from dist_loop.cluster import Cluster, ClusterError
-from dist_loop.errors import UserError
-from dist_loop.evaluation import Evaluator
-from dist_loop.modes.ps import counter, server, stats, trainer, update
-from dist_loop.modes.ps import PSTrainer
-from dist_loop.precision import DynamicLossScale
-from dist_loop.summaries import LOGDIR
+from dist_loop import configure
+from dist_loop.control.evaluation import Evaluator
+from dist_loop.core.errors import UserError
+from dist_loop.parallel import staleness
+from dist_loop.parallel.modes.ps import counter, server, stats, trainer, update
+from dist_loop.parallel.modes.ps import PSTrainer
+from dist_loop.runtime import checkpoints
+from dist_loop.runtime.cluster import Cluster, ClusterError
+from dist_loop.runtime.summaries import LOGDIR
+from dist_loop.training import optim
+from dist_loop.training.precision import DynamicLossScale
 from tools import launch
 
 PS_CLUSTER = Cluster({"chief": ["c:1"], "worker": ["a:1", "b:1"],
@@ -380,7 +383,7 @@ def test_ps_trains_digits_within_the_bound_despite_a_killed_worker(
   # The checkpoint has the names of every other mode: a plain model reads it.
   config = configure.make_config(workdir=str(workdir), dataset="digits",
                                  model="mlp")
-  model = checkpoints.load_model(config)
+  model = weights.load_model(config)
   accuracy = Evaluator(model, load_data(config), 256).evaluate()
   np.testing.assert_allclose(accuracy["eval/accuracy"], s["eval_accuracy"],
                              atol=1e-6)

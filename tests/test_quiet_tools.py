@@ -1,5 +1,6 @@
 """tools.bench and tools.compare print their own lines only; `--verbosity`
-brings TensorFlow's back, as in `experiments.train` (`dist_loop/console.py`).
+brings TensorFlow's back, as in `experiments.train`
+(`dist_loop/runtime/console.py`).
 
 One subprocess per case, as a user runs them, without the
 `TF_CPP_MIN_LOG_LEVEL` that conftest sets for this process: a user's shell

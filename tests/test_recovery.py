@@ -1,4 +1,4 @@
-"""The non-finite policy (dist_loop/recovery.py) driven by the controller
+"""The non-finite policy (dist_loop/control/recovery.py) driven by the controller
 over fakes (tests/controller_fakes.py): raise, rollback, --max_rollbacks,
 --max_loss's wording, and the stop after too many skipped steps in a row."""
 
@@ -6,10 +6,10 @@ import pytest
 
 from controller_fakes import EXAMPLES_PER_STEP
 from controller_fakes import run as _run
-from dist_loop.actions import Loop
-from dist_loop.config import Config
-from dist_loop.errors import NonFiniteError, UserError
-from dist_loop.recovery import NonFinitePolicy
+from dist_loop.control.actions import Loop
+from dist_loop.control.recovery import NonFinitePolicy
+from dist_loop.core.config import Config
+from dist_loop.core.errors import NonFiniteError, UserError
 
 
 def _events(log, kind):

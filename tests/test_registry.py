@@ -2,8 +2,8 @@
 
 import pytest
 
-from dist_loop.errors import UserError
-from dist_loop.registry import Registry
+from dist_loop.core.errors import UserError
+from dist_loop.core.registry import Registry
 
 
 def test_register_and_get():

@@ -20,13 +20,14 @@ import tensorflow as tf
 from tensorflow.python.framework import config as tf_config  # pylint: disable=g-direct-tensorflow-import
 
 from conftest import REPO, checkpoint_variables, max_diff, run_main
-from dist_loop import checkpoints, make_config, preemption, train
+from dist_loop import make_config, train
+from dist_loop.core.errors import NonFiniteError, UserError
 from dist_loop.data import stream
 from dist_loop.data.base import DATASETS, Dataset
-from dist_loop.errors import NonFiniteError, UserError
-from dist_loop.modes import sync
-from dist_loop.modes.asynchronous.trainer import AsyncTrainer
-from dist_loop.modes.pipeline import PipelineTrainer
+from dist_loop.parallel.modes import sync
+from dist_loop.parallel.modes.asynchronous.trainer import AsyncTrainer
+from dist_loop.parallel.modes.pipeline import PipelineTrainer
+from dist_loop.runtime import checkpoints, preemption
 
 NAN_EXAMPLES = 640
 BATCH = 32
@@ -177,7 +178,7 @@ def test_a_runtime_error_anywhere_in_the_run_is_explained_by_the_mode(
     small_config, monkeypatch):
   # Not only in `train`: a peer can be lost in a checkpoint, an evaluation
   # or the controller's read of the step. Here, the evaluation.
-  from dist_loop import evaluation  # pylint: disable=g-import-not-at-top
+  from dist_loop.control import evaluation  # pylint: disable=g-import-not-at-top
 
   def lost(self):
     del self
@@ -356,6 +357,6 @@ def test_sigkill_then_sigterm_then_resume_equals_uninterrupted(tmp_path,
   config = make_config(workdir=str(workdir), **SIGNAL_RUN)
   path = f"checkpoints/ckpt-{step}"
   assert max_diff(
-      checkpoints.load_model(config, str(workdir / path)).trainable_variables,
-      checkpoints.load_model(config, str(whole / path)).trainable_variables,
+      weights.load_model(config, str(workdir / path)).trainable_variables,
+      weights.load_model(config, str(whole / path)).trainable_variables,
   ) == 0.0

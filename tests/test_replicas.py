@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from dist_loop import devices, replicas
-from dist_loop import strategy as strategy_lib
-from dist_loop.errors import UserError
+from dist_loop.core.errors import UserError
+from dist_loop.runtime import devices
+from dist_loop.runtime import strategy as strategy_lib
+from dist_loop.training import replicas
 
 SHAPES = ((2, 3), (4,))
 

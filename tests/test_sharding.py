@@ -25,10 +25,12 @@ import pytest
 import tensorflow as tf
 
 from conftest import checkpoint_variables, max_diff
-from dist_loop import checkpoints, configure, models, optim, train
-from dist_loop.cluster import Cluster
-from dist_loop.errors import NonFiniteError, UserError
-from dist_loop.sharding import accounting, layout
+from dist_loop import configure, models, train
+from dist_loop.core.errors import NonFiniteError, UserError
+from dist_loop.parallel.sharding import accounting, layout
+from dist_loop.runtime import checkpoints
+from dist_loop.runtime.cluster import Cluster
+from dist_loop.training import optim
 from experiments.extensions import single_device  # pylint: disable=unused-import
 from helpers import make_trainer, variables
 

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from dist_loop import strategy as strategy_lib
+from dist_loop.core.errors import UserError
 from dist_loop.data import shard_format, shard_stream, shard_writer, shards
 from dist_loop.data import stream
 from dist_loop.data.base import Dataset
-from dist_loop.errors import UserError
+from dist_loop.runtime import strategy as strategy_lib
 
 N = 96  # Examples: one epoch is 4 steps of 24.
 BATCH = 24

@@ -10,8 +10,8 @@ import stat
 import pytest
 
 from conftest import run_main
-from dist_loop import cluster, slurm
-from dist_loop.errors import UserError
+from dist_loop.core.errors import UserError
+from dist_loop.runtime import cluster, slurm
 
 # Task 1 of a step of 3 tasks on two nodes: two on node01, one on node02.
 STEP = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_PROCID": "1",

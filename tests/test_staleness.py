@@ -1,4 +1,4 @@
-"""dist_loop.staleness: the bound, the float16 overflow rule, the histogram."""
+"""dist_loop.parallel.staleness: the bound, the float16 overflow rule, the histogram."""
 
 import dataclasses
 
@@ -6,8 +6,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from dist_loop import UserError, options, staleness
-from dist_loop.staleness import MAX_TRACKED, NO_BOUND, Histogram
+from dist_loop import UserError
+from dist_loop.core import options
+from dist_loop.parallel import staleness
+from dist_loop.parallel.staleness import MAX_TRACKED, NO_BOUND, Histogram
 
 
 def test_the_bound_drops_only_gradients_staler_than_it():

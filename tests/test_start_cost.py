@@ -9,7 +9,7 @@ cluster, each restart) and are gone; these tests fail if they return:
   new `tf.function` is caught before it runs; and a whole run checks what
   the source does not show: tf.data's functions, and those TensorFlow
   wraps in a `tf.function` of its own.
-- matplotlib at TensorFlow's import (`dist_loop/tf_import.py`): conftest
+- matplotlib at TensorFlow's import (`dist_loop/runtime/tf_import.py`): conftest
   imports TensorFlow the way the entry points do.
 """
 
@@ -22,7 +22,8 @@ import pytest
 from tensorflow.python.autograph.impl import api as autograph_api
 
 from conftest import REPO
-from dist_loop import tf_import, train
+from dist_loop import train
+from dist_loop.runtime import tf_import
 
 TRACED_DIRS = ("dist_loop", "experiments", "tools", "tests")
 

@@ -18,8 +18,8 @@ import sys
 import pytest
 
 from conftest import REPO
-from dist_loop import strategy
-from dist_loop.cluster import Cluster, ClusterError
+from dist_loop.runtime import strategy
+from dist_loop.runtime.cluster import Cluster, ClusterError
 from tools import local_cluster
 
 JOIN_TIMEOUT_S = 2

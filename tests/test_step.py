@@ -9,9 +9,9 @@ import pytest
 import tensorflow as tf
 
 from dist_loop import models
-from dist_loop import step as step_lib
 from dist_loop.models.base import MODELS
 from dist_loop.tasks import TASKS
+from dist_loop.training import step as step_lib
 
 # A model with a regulariser: its `model.losses` is a per-update term that
 # every contributor must share. The equivalence tests train it too.

@@ -1,11 +1,11 @@
-"""The straggler knob (dist_loop/straggler.py): parsing, bounds, delay."""
+"""The straggler knob (dist_loop/parallel/straggler.py): parsing, bounds, delay."""
 
 import threading
 
 import pytest
 
-from dist_loop import straggler
-from dist_loop.errors import UserError
+from dist_loop.core.errors import UserError
+from dist_loop.parallel import straggler
 
 
 def test_parse_reads_worker_and_factor():

@@ -4,8 +4,8 @@ step out of replica context: cross_replica_call and on_first_replica."""
 import numpy as np
 import tensorflow as tf
 
-from dist_loop import devices
-from dist_loop import strategy as strategy_lib
+from dist_loop.runtime import devices
+from dist_loop.runtime import strategy as strategy_lib
 
 
 def _names(n=2):

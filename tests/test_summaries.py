@@ -11,8 +11,8 @@ from tensorboard.plugins.hparams import plugin_data_pb2
 from tensorflow.core.protobuf.config_pb2 import RunMetadata
 
 from conftest import read_events
-from dist_loop import summaries as summaries_lib
-from dist_loop.summaries import LOGDIR, Summaries
+from dist_loop.runtime import summaries as summaries_lib
+from dist_loop.runtime.summaries import LOGDIR, Summaries
 
 
 def _hparams(events, tag):

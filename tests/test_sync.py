@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from conftest import checkpoint_variables, max_diff
 from dist_loop import make_config, train
-from dist_loop.errors import NonFiniteError
+from dist_loop.core.errors import NonFiniteError
 from helpers import NAN_DATASET, make_trainer, replica_copies, variables
 
 

@@ -10,7 +10,7 @@ one-device run.
 """
 
 from conftest import max_diff
-import dist_loop.modes.local_sgd  # noqa: F401  (registers the mode)
+import dist_loop.parallel.modes.local_sgd  # noqa: F401  (registers the mode)
 from helpers import initial_and_trained, make_trainer, variables
 from test_step import REGULARISED_MODEL  # Registers the model.
 

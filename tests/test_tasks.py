@@ -6,8 +6,8 @@ import pytest
 import tensorflow as tf
 
 from dist_loop import tasks
+from dist_loop.core.errors import UserError
 from dist_loop.data import Dataset
-from dist_loop.errors import UserError
 from dist_loop.tasks.classification import Classification
 
 

@@ -16,9 +16,10 @@ import pytest
 import tensorflow as tf
 
 from helpers import load_data
-from dist_loop import configure, devices, make_config
-from dist_loop.cluster import Cluster
-from dist_loop.modes import build_trainer
+from dist_loop import configure, make_config
+from dist_loop.parallel.modes import build_trainer
+from dist_loop.runtime import devices
+from dist_loop.runtime.cluster import Cluster
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from browser import (TEXT_JS, WINDOW, Chromium, find_chromium, get_json,
                      train_and_eval_cards)
 from conftest import read_events
 from dist_loop import make_config, train
-from dist_loop.summaries import LOGDIR
+from dist_loop.runtime.summaries import LOGDIR
 
 def train_demo(workdir):
   """A sync run on 2 devices in `workdir` (named `demo`), with histograms

@@ -12,10 +12,10 @@ import tensorflow as tf
 
 from conftest import REPO, run_main
 from dist_loop import configure, data, make_config, tasks
-from dist_loop.cluster import Cluster
-from dist_loop import strategy as strategy_lib
+from dist_loop.core.errors import UserError
 from dist_loop.data import stream, text
-from dist_loop.errors import UserError
+from dist_loop.runtime import strategy as strategy_lib
+from dist_loop.runtime.cluster import Cluster
 
 
 def _write(tmp_path, content: bytes, name="corpus.bin"):

@@ -7,7 +7,7 @@ import pytest
 import tensorflow as tf
 
 from dist_loop import models, train
-from dist_loop.errors import UserError
+from dist_loop.core.errors import UserError
 from dist_loop.models.transformer import TransformerOptions
 
 TINY = dict(num_layers=2, d_model=16, num_heads=2, mlp_ratio=2)

@@ -26,9 +26,10 @@ import pytest
 
 from conftest import max_diff
 from helpers import load_data
-from dist_loop import configure, devices, make_config
-from dist_loop.cluster import Cluster
-from dist_loop.modes import build_trainer
+from dist_loop import configure, make_config
+from dist_loop.parallel.modes import build_trainer
+from dist_loop.runtime import devices
+from dist_loop.runtime.cluster import Cluster
 
 STEPS = 3
 TOLERANCE = 1e-5

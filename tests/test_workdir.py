@@ -20,9 +20,10 @@ import sys
 import pytest
 
 from conftest import REPO, run_main
-from dist_loop.actions import summary as summary_action
-from dist_loop import train, workdir
-from dist_loop.errors import UserError
+from dist_loop import train
+from dist_loop.control.actions import summary as summary_action
+from dist_loop.core.errors import UserError
+from dist_loop.runtime import workdir
 
 RUN = ["--dataset=synthetic", "--model=mlp", "--global_batch_size=16",
        "--optimizer=sgd", "--steps_per_loop=2", "--log_every=2",
@@ -213,7 +214,7 @@ def test_a_summary_that_cannot_be_written_keeps_the_checkpoint(
 
 HOLD = """
 import sys, time
-from dist_loop import workdir
+from dist_loop.runtime import workdir
 workdir.Lock(sys.argv[1]).acquire()
 print("locked", flush=True)
 time.sleep(60)

@@ -15,7 +15,8 @@ JSON.
 Benchmarks are not tests: the test suite asserts no timing.
 
 The terminal shows the benchmark's own lines only; `--verbosity=1` adds
-TensorFlow's warnings, `--verbosity=2` everything (`dist_loop/console.py`).
+TensorFlow's warnings, `--verbosity=2` everything
+(`dist_loop/runtime/console.py`).
 """
 
 import importlib
@@ -29,8 +30,8 @@ from absl import app, flags
 
 # Neither imports TensorFlow: `main` imports it, quietly, once the
 # verbosity is known.
-from dist_loop import console, process_exit
-from dist_loop.files import atomic_write_json
+from dist_loop.runtime import console, process_exit
+from dist_loop.runtime.files import atomic_write_json
 
 SUITES = {  # name -> module with run(quick) -> {"rows": [...], "table": str}
     "overhead": "tools.benchmarks.overhead",
@@ -80,7 +81,7 @@ def run_suites(names, quick: bool, out_path: str) -> dict:
   """Runs the named suites in order; prints each table and rewrites
   `out_path` as each suite ends, so a long run stopped midway keeps the
   suites it finished. Returns the JSON-able results."""
-  from dist_loop import devices  # pylint: disable=g-import-not-at-top
+  from dist_loop.runtime import devices  # pylint: disable=g-import-not-at-top
   devices.configure(NUM_DEVICES, "cpu")
   names = list(SUITES) if "all" in names else names
   results = {"machine": machine(), "quick": quick, "suites": {}}

@@ -13,7 +13,8 @@ point). With --logdir the same plot is also a TensorBoard image (tag
 so `tensorboard --logdir runs/` shows it in the Images tab beside the runs.
 
 The terminal shows the tool's own lines only; `--verbosity=1` adds
-TensorFlow's warnings, `--verbosity=2` everything (`dist_loop/console.py`).
+TensorFlow's warnings, `--verbosity=2` everything
+(`dist_loop/runtime/console.py`).
 """
 
 import json
@@ -23,7 +24,7 @@ from typing import Dict, List
 
 from absl import app, flags
 
-from dist_loop import console, process_exit
+from dist_loop.runtime import console, process_exit
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("plot", "compare.png", "Where the PNG plot goes ('' for "

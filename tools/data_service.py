@@ -27,7 +27,7 @@ def main(argv=None) -> int:
   stop = threading.Event()
   for sig in (signal.SIGTERM, signal.SIGINT):
     signal.signal(sig, lambda *_: stop.set())
-  from dist_loop import console  # pylint: disable=g-import-not-at-top
+  from dist_loop.runtime import console  # pylint: disable=g-import-not-at-top
   console.start(0)
   from dist_loop.data import service  # pylint: disable=g-import-not-at-top
   address, servers = service.start_local(args.num_workers, args.port)

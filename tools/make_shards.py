@@ -19,8 +19,8 @@ import sys
 
 from absl import app, flags
 
-from dist_loop import console, process_exit
-from dist_loop.errors import UserError
+from dist_loop.core.errors import UserError
+from dist_loop.runtime import console, process_exit
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("dataset", None, "A registered dataset (digits, mnist, "

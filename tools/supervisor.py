@@ -13,7 +13,7 @@ import threading
 import time
 from typing import Dict, Optional, Sequence
 
-from dist_loop import console
+from dist_loop.runtime import console
 from tools.local_cluster import (Task, available_cpus, cluster_spec,
                                  cpu_sets, wait_for_ports)
 

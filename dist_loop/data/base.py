@@ -21,8 +21,8 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-from dist_loop.errors import UserError
-from dist_loop.registry import Registry
+from dist_loop.core.errors import UserError
+from dist_loop.core.registry import Registry
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,7 @@ import stat
 import sysconfig
 from typing import Optional, Sequence
 
-from dist_loop.errors import UserError
+from dist_loop.core.errors import UserError
 
 # Large, pure-Python modules that have kept their path for many releases.
 PYSOURCE_FILES = (

@@ -14,8 +14,8 @@ import zlib
 
 import numpy as np
 
+from dist_loop.core.errors import UserError
 from dist_loop.data.base import DATASETS, Dataset, int32_labels, resize_images
-from dist_loop.errors import UserError
 
 FILENAME = "mnist.npz"
 KEYS = ("x_train", "y_train", "x_test", "y_test")

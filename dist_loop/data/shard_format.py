@@ -29,7 +29,7 @@ from typing import Any, Dict, List
 
 import numpy as np
 
-from dist_loop.errors import UserError
+from dist_loop.core.errors import UserError
 
 MANIFEST = "manifest.json"
 FORMATS = ("tfrecord", "arrayrecord")

@@ -41,8 +41,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import tensorflow as tf
 
+from dist_loop.core.errors import UserError
 from dist_loop.data import bad_records, service, shard_format, stream
-from dist_loop.errors import UserError
 
 ORDERS = ("index_shuffle", "memory")
 SPEC_ERROR = "does not match the manifest spec"

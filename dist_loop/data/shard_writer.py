@@ -22,9 +22,9 @@ from typing import Any, Dict
 
 import numpy as np
 
+from dist_loop.core.errors import UserError
 from dist_loop.data import shard_format
 from dist_loop.data.base import Dataset, int32_labels
-from dist_loop.errors import UserError
 
 
 def write(dataset: Dataset, fmt: str, num_shards: int, out: str, seed: int,

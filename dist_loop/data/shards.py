@@ -21,10 +21,10 @@ import dataclasses
 
 import numpy as np
 
+from dist_loop.core.errors import UserError
+from dist_loop.core.options import option
 from dist_loop.data import bad_records, shard_format, shard_stream
 from dist_loop.data.base import DATASETS, Dataset
-from dist_loop.errors import UserError
-from dist_loop.options import option
 
 
 @dataclasses.dataclass(frozen=True)

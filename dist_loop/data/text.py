@@ -32,11 +32,11 @@ from typing import Callable, Optional
 import numpy as np
 import tensorflow as tf
 
+from dist_loop.core.errors import UserError
+from dist_loop.core.options import option
 from dist_loop.data.base import DATASETS, Dataset
 from dist_loop.data.corpus import available_memory, file_size, pysource_bytes
 from dist_loop.data.corpus import read_file
-from dist_loop.errors import UserError
-from dist_loop.options import option
 # The datasets pose this task; importing it registers it.
 from dist_loop.tasks import language_model  # pylint: disable=unused-import
 

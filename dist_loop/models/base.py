@@ -23,7 +23,7 @@ from typing import Callable, Optional, Sequence, Tuple
 
 import keras
 
-from dist_loop.registry import Registry
+from dist_loop.core.registry import Registry
 
 MODELS: Registry = Registry("model", "model")
 
@@ -72,7 +72,7 @@ def build(model_name: str, input_shape: Sequence[int], num_classes: int,
     options: the model's options, for a builder that declares `Options`
       (it is then called with `options=`); None: its defaults.
   """
-  from dist_loop import precision as precision_lib  # pylint: disable=g-import-not-at-top
+  from dist_loop.training import precision as precision_lib  # pylint: disable=g-import-not-at-top
   with precision_lib.policy_scope(precision):
     builder = MODELS.get(model_name)
     kwargs = {}

@@ -21,9 +21,9 @@ import dataclasses
 import keras
 import tensorflow as tf
 
-from dist_loop.errors import UserError
+from dist_loop.core.errors import UserError
+from dist_loop.core.options import option
 from dist_loop.models.base import MODELS
-from dist_loop.options import option
 
 INIT_STDDEV = 0.02  # GPT-2's initialisation of every weight matrix.
 LAYER_NORM_EPSILON = 1e-5

@@ -1,6 +1,6 @@
 """Tasks (a name registry): what a model learns, as loss and metric sums."""
 
-from dist_loop.errors import UserError
+from dist_loop.core.errors import UserError
 from dist_loop.tasks import classification, language_model  # Registers the tasks.
 from dist_loop.tasks.base import TASKS, Task
 

@@ -3,8 +3,8 @@
 A task sees logits and labels and returns *sums* over every prediction of
 the batch: `loss` in nats, and the numerator of each metric (`accuracy`:
 the number of correct predictions). Sums, not means, so that the step core
-(`dist_loop/step.py`) can turn them into any contributor's share of a step's
-mean, and the evaluator into a mean over the whole held-out set, with one
+(`dist_loop/training/step.py`) can turn them into any contributor's share of a
+step's mean, and the evaluator into a mean over the whole held-out set, with one
 rule. A prediction is one label: an example of a classification task has
 one, an example of a language-model task has one per position.
 """
@@ -14,7 +14,7 @@ from typing import Dict
 
 import tensorflow as tf
 
-from dist_loop.registry import Registry
+from dist_loop.core.registry import Registry
 
 TASKS: Registry = Registry("task", "task")
 

@@ -10,8 +10,8 @@ a per-stage list of actions. Select it with `--pipeline_schedule=eager_1f1b`;
 see `residual_cnn_pipeline.flags`.
 """
 
-from dist_loop.modes.pipeline.classic import warmup_then_alternate
-from dist_loop.modes.pipeline.schedule import SCHEDULES
+from dist_loop.parallel.modes.pipeline.classic import warmup_then_alternate
+from dist_loop.parallel.modes.pipeline.schedule import SCHEDULES
 
 
 @SCHEDULES.register("eager_1f1b")

@@ -9,7 +9,7 @@ one or two versions old. Select it with `--staleness_lr=exp` (the flag of
 needs); see `async_exp_staleness.flags`.
 """
 
-from dist_loop.modes.asynchronous.policies import STALENESS_LR
+from dist_loop.parallel.modes.asynchronous.policies import STALENESS_LR
 
 DECAY = 0.5
 

@@ -25,8 +25,8 @@ import math
 import numpy as np
 import tensorflow as tf
 
-from dist_loop.compression import COMPRESSORS, Compressor
-from dist_loop.compression import base
+from dist_loop.parallel.compression import base
+from dist_loop.parallel.compression import COMPRESSORS, Compressor
 
 FRACTION = 0.05
 MIN_ELEMENTS = 1024  # Smaller tensors are summed exactly.

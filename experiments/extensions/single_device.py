@@ -1,7 +1,7 @@
 """Worked example: a mode that brings its own flag, as one file.
 
 `--mode=single_device` trains on one device with no `tf.distribute`
-strategy at all: the loop base (`dist_loop/modes/loop.py`) over a plain
+strategy at all: the loop base (`dist_loop/parallel/modes/loop.py`) over a plain
 step, the smallest complete mode. What is left of a mode once distribution
 is taken away is what every other mode adds to: the update is the whole
 batch's gradients applied with `optim.apply_reduced`, so it equals
@@ -11,7 +11,7 @@ Its flag, `--jit_compile`, compiles the step (forward, backward, update)
 with XLA. It is declared once, in `SingleDeviceOptions` below: the flag
 layer generates the flag from it, `Config.mode_options` carries it here, and
 a run of another mode that passes it is refused. Neither
-`dist_loop/config.py` nor `experiments/flags.py` knows this mode. See
+`dist_loop/core/config.py` nor `experiments/flags.py` knows this mode. See
 `single_device.flags`.
 """
 
@@ -19,12 +19,13 @@ import dataclasses
 
 import tensorflow as tf
 
-from dist_loop import models, optim
-from dist_loop import precision as precision_lib
-from dist_loop import step as step_core
-from dist_loop.errors import UserError
-from dist_loop.modes import MODES, LoopTrainer, StepResult
-from dist_loop.options import option
+from dist_loop import models
+from dist_loop.core.errors import UserError
+from dist_loop.core.options import option
+from dist_loop.parallel.modes import MODES, LoopTrainer, StepResult
+from dist_loop.training import optim
+from dist_loop.training import precision as precision_lib
+from dist_loop.training import step as step_core
 
 
 @dataclasses.dataclass(frozen=True)

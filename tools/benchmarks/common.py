@@ -15,10 +15,10 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import dist_loop
 from dist_loop import configure, data, models
-from dist_loop.cluster import Cluster
+from dist_loop.control.evaluation import Evaluator
 from dist_loop.data import Dataset
-from dist_loop.evaluation import Evaluator
-from dist_loop.modes import Trainer, build_trainer
+from dist_loop.parallel.modes import Trainer, build_trainer
+from dist_loop.runtime.cluster import Cluster
 
 # One process, whatever TF_CONFIG says: a benchmark is not a cluster.
 LOCAL = Cluster()
@@ -41,7 +41,7 @@ def trainer(devices: Sequence[str], flat: Mapping[str, object],
   """The Config of `flat` and its mode's Trainer on `devices`.
 
   Args:
-    devices: the devices to train on (`dist_loop.devices.configure`).
+    devices: the devices to train on (`dist_loop.runtime.devices.configure`).
     flat: flag values, as `dist_loop.make_config` takes them.
     dataset: the loaded dataset, to share one among variants; None loads
       the Config's.

@@ -16,7 +16,7 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from dist_loop import devices  # pylint: disable=g-import-not-at-top
+from dist_loop.runtime import devices  # pylint: disable=g-import-not-at-top
 from tools.benchmarks.common import config, interleaved_medians, load_data, markdown_table, trainer  # pylint: disable=g-import-not-at-top
 
 GLOBAL_BATCH = 128

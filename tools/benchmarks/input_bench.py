@@ -26,9 +26,9 @@ import time
 
 import numpy as np
 
-from dist_loop import devices
-from dist_loop.data import shard_format, shard_writer, shards
 from dist_loop.data import service, stream
+from dist_loop.data import shard_format, shard_writer, shards
+from dist_loop.runtime import devices
 from tools.benchmarks import common
 
 SIZES = {  # quick -> (batches read, train steps, timing rounds, jpeg images)
@@ -224,7 +224,7 @@ def _peak_rss_of_training(root: str, size: int, steps: int) -> float:
 
 
 if __name__ == "__main__":
-  from dist_loop import console  # pylint: disable=g-import-not-at-top
+  from dist_loop.runtime import console  # pylint: disable=g-import-not-at-top
   console.start(0)
   print(json.dumps(_peak_rss_of_training(sys.argv[1], int(sys.argv[2]),
                                          int(sys.argv[3]))))

@@ -34,9 +34,9 @@ import keras  # pylint: disable=g-import-not-at-top
 import numpy as np  # pylint: disable=g-import-not-at-top
 import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
-from dist_loop import devices  # pylint: disable=g-import-not-at-top
 from dist_loop.data import DATASETS, Dataset  # pylint: disable=g-import-not-at-top
 from dist_loop.models import MODELS  # pylint: disable=g-import-not-at-top
+from dist_loop.runtime import devices  # pylint: disable=g-import-not-at-top
 from tools.benchmarks.common import interleaved_times, markdown_table, spread, trainer  # pylint: disable=g-import-not-at-top
 
 WIDTH = 2048

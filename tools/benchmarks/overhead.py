@@ -29,9 +29,11 @@ import keras  # pylint: disable=g-import-not-at-top
 import numpy as np  # pylint: disable=g-import-not-at-top
 import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
-from dist_loop import devices, models, optim  # pylint: disable=g-import-not-at-top
-from dist_loop import strategy as strategy_lib  # pylint: disable=g-import-not-at-top
+from dist_loop import models  # pylint: disable=g-import-not-at-top
 from dist_loop.data import stream  # pylint: disable=g-import-not-at-top
+from dist_loop.runtime import devices  # pylint: disable=g-import-not-at-top
+from dist_loop.runtime import strategy as strategy_lib  # pylint: disable=g-import-not-at-top
+from dist_loop.training import optim  # pylint: disable=g-import-not-at-top
 from tools.benchmarks import common  # pylint: disable=g-import-not-at-top
 
 GLOBAL_BATCH = 64

@@ -188,8 +188,8 @@ def targets(rows: List[Dict]) -> Dict[str, object]:
 
 def _draw(rows, path) -> None:
   """The measured K=2 timelines at the largest M, one above the other."""
-  from dist_loop.modes.pipeline import timeline  # pylint: disable=g-import-not-at-top
-  from dist_loop.modes.pipeline.schedule import Action  # pylint: disable=g-import-not-at-top
+  from dist_loop.parallel.modes.pipeline import timeline  # pylint: disable=g-import-not-at-top
+  from dist_loop.parallel.modes.pipeline.schedule import Action  # pylint: disable=g-import-not-at-top
   drawn = [r for r in rows if r.get("bars") and r["stages"] == 2]
   m = max(r["microbatches"] for r in drawn)
   images = [timeline.render(

@@ -10,8 +10,8 @@ pipelines' predictions and last measured timelines. `Worker` is the
 parent's end of those pipes (`pipeline_bench.run` drives several in turn,
 so each measures while the others are idle).
 
-A worker's terminal is quiet (`dist_loop/console.py` at verbosity -1: our
-warnings and errors, no one else's below an error): the benchmark's lines
+A worker's terminal is quiet (`dist_loop/runtime/console.py` at verbosity -1:
+our warnings and errors, no one else's below an error): the benchmark's lines
 are the parent's table.
 """
 
@@ -57,12 +57,12 @@ def _trainer(names, spec, variant):
 
 def serve(spec: Dict) -> None:
   """Builds `spec`'s variants, then answers rounds on stdin (above)."""
-  from dist_loop import console  # pylint: disable=g-import-not-at-top
+  from dist_loop.runtime import console  # pylint: disable=g-import-not-at-top
   console.start(-1)  # Imports TensorFlow, quietly.
   console.setup(-1)
-  from dist_loop import devices  # pylint: disable=g-import-not-at-top
   from dist_loop.models import MODELS  # pylint: disable=g-import-not-at-top
-  from dist_loop.modes.pipeline import timeline  # pylint: disable=g-import-not-at-top
+  from dist_loop.parallel.modes.pipeline import timeline  # pylint: disable=g-import-not-at-top
+  from dist_loop.runtime import devices  # pylint: disable=g-import-not-at-top
   MODELS.register(WIDE_MLP)(wide_mlp)
   names = devices.configure(spec["devices"], "cpu", spec["intra"],
                             spec["inter"])

@@ -293,7 +293,7 @@ def _gradient_floats(groups, model) -> int:
 
 
 def _default_bucket_mb() -> float:
-  from dist_loop.modes.sync.options import SyncOptions  # pylint: disable=g-import-not-at-top
+  from dist_loop.parallel.modes.sync.options import SyncOptions  # pylint: disable=g-import-not-at-top
   return SyncOptions().allreduce_bucket_mb
 
 

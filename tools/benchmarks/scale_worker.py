@@ -48,8 +48,8 @@ class Worker:
 
   def __init__(self, num_devices: int, threads: int):
     # pylint: disable=g-import-not-at-top
-    from dist_loop import cluster as cluster_lib
-    from dist_loop import devices, strategy
+    from dist_loop.runtime import cluster as cluster_lib
+    from dist_loop.runtime import devices, strategy
     self.cluster = cluster_lib.current()
     if threads:  # Before the runtime starts (the strategy starts it).
       import tensorflow as tf
@@ -63,7 +63,7 @@ class Worker:
     # pylint: disable=g-import-not-at-top
     import dist_loop
     from dist_loop import configure
-    from dist_loop.modes import build_trainer
+    from dist_loop.parallel.modes import build_trainer
     from tools.benchmarks import common
     if name not in self.trainers:
       config = configure.validate(
@@ -88,7 +88,7 @@ class Worker:
     out = {"peak_rss_mb": resource.getrusage(
         resource.RUSAGE_SELF).ru_maxrss / 1024.0}
     if name is not None:
-      from dist_loop.sharding import accounting  # pylint: disable=g-import-not-at-top
+      from dist_loop.parallel.sharding import accounting  # pylint: disable=g-import-not-at-top
       out.update(accounting.memory(self.trainers[name]))
     return out
 
@@ -101,7 +101,7 @@ class Worker:
     """One all-reduce of `floats` values alone, as the sync step sends its
     gradients (a list of tensors, packed into buckets)."""
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
-    from dist_loop import strategy as strategy_lib  # pylint: disable=g-import-not-at-top
+    from dist_loop.runtime import strategy as strategy_lib  # pylint: disable=g-import-not-at-top
     strategy = (strategy_lib.multi_worker(300.0)
                 if self.cluster.num_trainers > 1
                 else strategy_lib.mirrored(self.devices))

@@ -1,0 +1,2 @@
+"""The outer loop: the controller, its actions, recovery, evaluation.
+"""

@@ -1,0 +1,273 @@
+"""The typed, frozen run configuration that the library receives.
+
+`Config` holds the run-wide fields; the chosen mode's, model's and dataset's
+own settings travel in `mode_options`, `model_options` and `dataset_options`,
+instances of the options dataclasses they declare (`dist_loop/core/options.py`).
+Each run-wide field is an `option(...)`: its help text, bounds, choices and
+`--helpfull` group are declared here, next to the field, and the flag layer
+generates the flags from them, so a default or a bound is written once.
+This module imports nothing above it and reads no environment, so a
+`Config` means the same thing wherever it is built.
+`validate()` checks the rules that need neither TensorFlow nor a registry
+(the declared bounds among them); `dist_loop.configure` adds the rules that
+do.
+"""
+
+import dataclasses
+from typing import Any, Dict, List, Optional, Tuple
+
+from dist_loop.core import options as options_lib
+from dist_loop.core.errors import UserError
+from dist_loop.core.options import REQUIRED, option
+
+DEVICE_TYPES = ("auto", "cpu", "gpu")
+PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
+NONFINITE_POLICIES = ("raise", "skip", "rollback")
+COMPONENT_FIELDS = ("mode_options", "model_options", "dataset_options")
+
+# Upper bounds. Above each, a value is a typo that would crash the process
+# (or exhaust its memory) instead of failing with a message.
+# numpy's seed range (keras.utils.set_random_seed seeds numpy).
+MAX_SEED = 2**32 - 1
+# Any count of steps: far beyond a real run, within the 32-bit integers that
+# TensorFlow ops may count with, and an ETA that fits a datetime.timedelta.
+MAX_STEPS = 2**31 - 1
+# Examples in one batch: TensorFlow's int32 shapes overflow at 2**31, and a
+# batch far smaller no longer fits in memory.
+MAX_BATCH = 2**20
+# More threads than cores only add switching, and 1024 is above the core
+# count of any single machine; each thread reserves a stack, so 100000
+# exhausted memory. A fixed number rather than a multiple of this machine's
+# cores, so that a workdir's flags.txt stays valid on another machine.
+MAX_THREADS = 1024
+# Schedulers give seconds to minutes between SIGTERM and SIGKILL; the
+# watchdog's timer fails beyond threading.TIMEOUT_MAX.
+MAX_GRACE_PERIOD_S = 3600.0
+# A peer that has not answered in a day is gone.
+MAX_TIMEOUT_S = 86400.0
+
+# --helpfull groups ("run: the loop").
+_RUN = "the run"
+_DATA = "data and model"
+_OPTIMIZER = "optimizer"
+_DEVICES = "devices"
+_LOOP = "the loop"
+_PRECISION = "precision and accumulation"
+_RELIABILITY = "reliability"
+_CLUSTER = "several processes (TF_CONFIG; see tools/launch.py)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Everything a run needs. Field names match the flags one to one."""
+
+  workdir: str = option(
+      REQUIRED, "Directory of the run: checkpoints, TensorBoard events, "
+      "flags.txt, summary.json. Rerunning on the same workdir resumes.",
+      group=_RUN)
+  dataset: str = option("digits", "Registered dataset.", group=_DATA,
+                        layout=True)
+  data_dir: Optional[str] = option(
+      None, "Where file-based datasets (mnist.npz) are read from; default: "
+      "the Keras cache.", group=_DATA)
+  model: str = option("cnn", "Registered model.", group=_DATA, layout=True)
+  mode: str = option("sync", "Parallel mode.", group=_RUN)
+  num_devices: int = option(
+      1, "Devices: logical CPU devices on a CPU-only machine, else the first "
+      "N GPUs.", lower=1, group=_DEVICES, layout=True)
+  device_type: str = option("auto", "auto: GPUs if present, else CPU.",
+                            choices=DEVICE_TYPES, group=_DEVICES)
+  global_batch_size: int = option(
+      64, "Examples per step over all replicas.", lower=1, upper=MAX_BATCH,
+      group=_DATA, layout=True)
+  train_steps: int = option(1000, "Steps to train.", lower=1,
+                            upper=MAX_STEPS, group=_RUN)
+  optimizer: str = option("adam", "Registered optimizer.", group=_OPTIMIZER)
+  learning_rate: float = option(1e-3, "Learning rate.", above=0.0,
+                                group=_OPTIMIZER)
+  seed: int = option(0, "Seed of initialisation and data order.", lower=0,
+                     upper=MAX_SEED, group=_RUN)
+  deterministic: bool = option(
+      False, "Deterministic kernels "
+      "(tf.config.experimental.enable_op_determinism).", group=_RUN)
+  steps_per_loop: int = option(10, "Steps per tf.function call.", lower=1,
+                               upper=MAX_STEPS, group=_LOOP)
+  log_every: int = option(
+      50, "Steps between progress lines and train summaries.", lower=1,
+      upper=MAX_STEPS, group=_LOOP)
+  eval_every: int = option(200, "Steps between evaluations.", lower=1,
+                           upper=MAX_STEPS, group=_LOOP)
+  checkpoint_every: int = option(200, "Steps between checkpoints.", lower=1,
+                                 upper=MAX_STEPS, group=_LOOP)
+  histogram_every: int = option(
+      0, "Steps between weight and gradient histograms (0: never).", lower=0,
+      upper=MAX_STEPS, group=_LOOP)
+  profile_steps: str = option(
+      "", "FIRST,LAST: write a TF profiler trace of these steps to "
+      "TensorBoard's Profile tab.", group=_LOOP)
+  precision: str = option(
+      "float32", "Compute dtype policy; master weights stay float32. "
+      "mixed_float16 adds dynamic loss scaling.", choices=PRECISIONS,
+      group=_PRECISION)
+  grad_accum_steps: int = option(
+      1, "Micro-steps of --global_batch_size examples each, summed before "
+      "one all-reduce and one update (sync mode).", lower=1, upper=MAX_STEPS,
+      group=_PRECISION, layout=True)
+  nonfinite: str = option(
+      "raise", "On a NaN/Inf loss or gradient: raise (stop, naming the "
+      "step), skip (drop that update on every replica), or rollback "
+      "(restore the last checkpoint).", choices=NONFINITE_POLICIES,
+      group=_RELIABILITY)
+  max_rollbacks: int = option(
+      3, "With --nonfinite=rollback: give up after this many.", lower=0,
+      group=_RELIABILITY)
+  max_loss: float = option(
+      0.0, "A step whose loss (in nats) is above this is a divergence, "
+      "handled like a non-finite step (--nonfinite=raise or rollback); 0: no "
+      "bound. A bound of ~100x the first logged loss catches a run that "
+      "blows up.", lower=0.0, group=_RELIABILITY)
+  max_consecutive_skips: int = option(
+      50, "Stop the run once this many steps in a row were skipped "
+      "(--nonfinite=skip, or float16 loss-scale overflows).", lower=1,
+      upper=MAX_STEPS, group=_RELIABILITY)
+  diverged_loss_ratio: float = option(
+      10.0, "Report the run as diverged (a warning, summary.json, exit code "
+      "3) if its last logged loss is this many times its first, or its "
+      "evaluation is non-finite; 0: never.", lower=0.0, group=_RELIABILITY)
+  grace_period_s: float = option(
+      30.0, "After SIGTERM, seconds to save a checkpoint and exit.",
+      lower=0.1, upper=MAX_GRACE_PERIOD_S, group=_RELIABILITY)
+  allow_config_change: bool = option(
+      False, "Resume a workdir even if the model or device layout flags "
+      "differ from flags.txt.", group=_RELIABILITY)
+  eval_batch_size: int = option(256, "Batch size of evaluation.", lower=1,
+                                upper=MAX_BATCH, group=_DATA)
+  max_checkpoints: int = option(3, "Checkpoints kept.", lower=1, group=_LOOP)
+  intra_op_threads: int = option(
+      0, "Threads inside one op (0: TensorFlow's default, one per core).",
+      lower=0, upper=MAX_THREADS, group=_DEVICES)
+  inter_op_threads: int = option(
+      0, "Ops run concurrently (0: TensorFlow's default, one per core).",
+      lower=0, upper=MAX_THREADS, group=_DEVICES)
+  collective_timeout_s: float = option(
+      120.0, "Multi-worker sync: a collective that waits this long for a "
+      "peer fails (CommunicationOptions.timeout_seconds); ps: training fails "
+      "after this long without an applied update.", lower=0.001,
+      upper=MAX_TIMEOUT_S, group=_CLUSTER)
+  join_timeout_s: float = option(
+      300.0, "Multi-process runs: joining the cluster fails if a peer task "
+      "has not come up after this long.", lower=0.001, upper=MAX_TIMEOUT_S,
+      group=_CLUSTER)
+  # The options dataclasses of the chosen mode, model and dataset (a
+  # registered component may declare `Options`); None means no options or
+  # their defaults (`dist_loop.configure.validate` fills them in).
+  mode_options: Any = None
+  model_options: Any = None
+  dataset_options: Any = None
+
+  def validate(self) -> "Config":
+    """Checks the run-wide rules: each field's declared bounds and choices,
+    then the rules between fields. Returns self; raises UserError."""
+    options_lib.check(self)
+    if not self.workdir:
+      raise UserError("--workdir is empty; name the run's directory, for "
+                      "example --workdir=runs/default")
+    self.profile_range  # pylint: disable=pointless-statement
+    for options in self.component_options():
+      options_lib.check(options)
+    return self
+
+  def component_options(self) -> Tuple[Any, ...]:
+    return (self.mode_options, self.model_options, self.dataset_options)
+
+  @property
+  def profile_range(self) -> Optional[Tuple[int, int]]:
+    """(first, last) step to profile, both included, or None."""
+    if not self.profile_steps:
+      return None
+    try:
+      first, last = (int(p) for p in self.profile_steps.split(","))
+    except ValueError:
+      raise UserError(f"--profile_steps={self.profile_steps!r} must be two "
+                      "steps FIRST,LAST, for example --profile_steps=20,25"
+                      ) from None
+    if not 1 <= first <= last <= self.train_steps:
+      raise UserError(f"--profile_steps={self.profile_steps} must satisfy "
+                      f"1 <= FIRST <= LAST <= --train_steps={self.train_steps}")
+    return first, last
+
+  def flat(self) -> Dict[str, Any]:
+    """Every run-wide field and mode option by flag name (no None values)."""
+    values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+              if f.name not in COMPONENT_FIELDS}
+    for options in self.component_options():
+      values.update(options_lib.as_dict(options))
+    return {k: v for k, v in values.items() if v is not None}
+
+  def to_flagfile(self) -> str:
+    """The config as a flagfile (what WORKDIR/flags.txt holds)."""
+    lines = []
+    for name, value in self.flat().items():
+      if isinstance(value, bool):
+        lines.append(f"--{'' if value else 'no'}{name}")
+      else:
+        lines.append(f"--{name}={value}")
+    return "\n".join(lines) + "\n"
+
+  def layout_changes(self, previous_flagfile: str) -> List[str]:
+    """`--name: old -> new` for each layout field that differs from a
+    previous run's flags.txt. Fields one side does not mention (an option
+    of another mode) are not compared: checkpoints do not depend on the
+    mode."""
+    old = parse_flagfile(previous_flagfile)
+    new = parse_flagfile(self.to_flagfile())
+    fields = options_lib.layout_fields(self) + sum(
+        (options_lib.layout_fields(o) for o in self.component_options()), ())
+    return [f"--{k}: {old[k]} -> {new[k]}" for k in fields
+            if k in old and k in new and old[k] != new[k]]
+
+  def replace(self, **changes) -> "Config":
+    return dataclasses.replace(self, **changes)
+
+  def replace_options(self, **changes) -> "Config":
+    """A copy with some mode, model or dataset options changed."""
+    new = {}
+    for field in COMPONENT_FIELDS:
+      options = getattr(self, field)
+      names = set(options_lib.as_dict(options))
+      mine = {k: v for k, v in changes.items() if k in names}
+      if mine:
+        new[field] = dataclasses.replace(options, **mine)
+    unknown = set(changes) - {k for o in new.values()
+                              for k in options_lib.as_dict(o)}
+    if unknown:
+      raise UserError(f"unknown options {sorted(unknown)}")
+    return dataclasses.replace(self, **new)
+
+
+def parse_flagfile(text: str) -> Dict[str, str]:
+  """`--name=value` lines to {name: value}; `--flag`/`--noflag` to
+  "True"/"False". Comments, blank lines and nested flagfiles are skipped."""
+  values = {}
+  for line in text.splitlines():
+    line = line.strip()
+    if not line.startswith("--") or line.startswith("--flagfile"):
+      continue
+    name, eq, value = line[2:].partition("=")
+    if not eq:
+      name, value = (name[2:], "False") if name.startswith("no") else (
+          name, "True")
+    values[name] = value
+  return values
+
+
+def check_divisible(global_batch: int, replicas: int) -> None:
+  """Raises UserError naming the nearest valid batch sizes."""
+  if global_batch % replicas:
+    lower = global_batch - global_batch % replicas
+    upper = lower + replicas
+    options = f"{lower} or {upper}" if lower else f"{upper}"
+    raise UserError(
+        f"--global_batch_size={global_batch} is not divisible by {replicas} "
+        f"replicas; use {options}")
+

@@ -1,0 +1,127 @@
+"""Options: frozen dataclasses whose fields become command-line flags.
+
+A field declared with `option(...)` carries what its flag needs: help text,
+bounds, choices, the `--helpfull` group, and whether it changes what a
+checkpoint means. The run-wide `Config` is such a dataclass, and so is each
+component's own `Options` (a parallel mode's, a model's): the flag layer
+(`experiments/flags.py`) defines one absl flag per field from it, and
+`check` enforces the same declaration on a value built in code. So a flag's
+default and bounds are written once, next to the field; adding a mode's
+flag is adding one field; the library receives the dataclass instance,
+never FLAGS.
+
+Two components may declare the same option (async and ps share
+`--max_staleness`); it is one flag, and both must declare it alike.
+"""
+
+import dataclasses
+import math
+from typing import Any, Iterable, List, Optional, Tuple
+
+from dist_loop.core.errors import UserError
+
+# The default of an option that has none: the dataclass field is required
+# (and so is the flag, where the entry point marks it).
+REQUIRED = dataclasses.MISSING
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+  """One option, as the flag layer needs it."""
+
+  name: str
+  type: type  # bool, int, float or str (str also for an optional string).
+  default: Any  # None for a REQUIRED option.
+  help: str
+  lower: Optional[float] = None  # Inclusive bounds.
+  upper: Optional[float] = None
+  # A tuple of names, or a Registry (checked by name; extensions may add).
+  choices: Any = None
+  # Changing it on an existing workdir changes what a checkpoint means.
+  layout: bool = False
+  # An exclusive lower bound: the value must be greater (a rate, "> 0").
+  above: Optional[float] = None
+  # Where --helpfull lists it; None: the flag layer names the group.
+  group: Optional[str] = None
+
+
+def option(default, help: str, *, lower=None, upper=None, above=None,
+           choices=None, layout: bool = False, group: Optional[str] = None):
+  """A dataclass field that is also a flag. See `Spec` for the arguments;
+  `default=REQUIRED` makes the field required."""
+  metadata = {"help": help, "lower": lower, "upper": upper, "above": above,
+              "choices": choices, "layout": layout, "group": group}
+  if default is REQUIRED:
+    return dataclasses.field(metadata=metadata)
+  return dataclasses.field(default=default, metadata=metadata)
+
+
+def specs(options_class) -> List[Spec]:
+  """The `option` fields of a dataclass, in declaration order (other fields,
+  such as Config's component options, are not flags)."""
+  out = []
+  for field in dataclasses.fields(options_class):
+    meta = field.metadata
+    if "help" not in meta:
+      continue
+    default = None if field.default is REQUIRED else field.default
+    kind = str if default is None else type(default)
+    out.append(Spec(field.name, kind, default, meta["help"], meta["lower"],
+                    meta["upper"], meta["choices"], meta["layout"],
+                    meta.get("above"), meta.get("group")))
+  return out
+
+
+def choice_names(choices) -> List[str]:
+  return list(choices.names()) if hasattr(choices, "names") else list(choices)
+
+
+def show(bound) -> str:
+  """A bound as a message shows it: integers in full, floats short."""
+  return str(bound) if isinstance(bound, int) else f"{bound:g}"
+
+
+def check_value(spec: Spec, value) -> None:
+  """Checks one value against its option's bounds and choices.
+
+  Raises:
+    UserError: naming the flag, the bound and the value.
+  """
+  if value is None:
+    return
+  if spec.type is float and math.isnan(value):
+    raise UserError(f"--{spec.name} must be a number, got nan")
+  if spec.lower is not None and value < spec.lower:
+    raise UserError(f"--{spec.name} must be >= {show(spec.lower)}, got "
+                    f"{value}")
+  if spec.above is not None and not value > spec.above:
+    raise UserError(f"--{spec.name} must be > {show(spec.above)}, got "
+                    f"{value}")
+  if spec.upper is not None and value > spec.upper:
+    raise UserError(f"--{spec.name} must be <= {show(spec.upper)}, got "
+                    f"{value}")
+  if spec.choices is not None and value not in spec.choices:
+    raise UserError(f"unknown --{spec.name}={value!r}; choose one of: "
+                    f"{', '.join(choice_names(spec.choices))}")
+
+
+def check(options) -> None:
+  """Checks every option's bounds and choices. Raises UserError."""
+  if options is None:
+    return
+  for spec in specs(type(options)):
+    check_value(spec, getattr(options, spec.name))
+
+
+def layout_fields(options) -> Tuple[str, ...]:
+  if options is None:
+    return ()
+  return tuple(s.name for s in specs(type(options)) if s.layout)
+
+
+def as_dict(options) -> dict:
+  return {} if options is None else dataclasses.asdict(options)
+
+
+def names(options_classes: Iterable[type]) -> List[str]:
+  return [s.name for c in options_classes for s in specs(c)]

@@ -1,8 +1,0 @@
-"""Pipeline model parallelism (--mode=pipeline)."""
-# Importing the schedules registers them; importing the trainer registers
-# the mode.
-from dist_loop.modes.pipeline import classic  # noqa: F401
-from dist_loop.modes.pipeline import interleaved  # noqa: F401
-from dist_loop.modes.pipeline import zero_bubble  # noqa: F401
-from dist_loop.modes.pipeline.options import PipelineOptions  # noqa: F401
-from dist_loop.modes.pipeline.trainer import PipelineTrainer  # noqa: F401

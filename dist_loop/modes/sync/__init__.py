@@ -1,5 +1,0 @@
-"""Synchronous data parallelism (`--mode=sync`)."""
-
-from dist_loop.modes.sync.trainer import SyncTrainer  # Registers the mode.
-
-__all__ = ["SyncTrainer"]

@@ -1,0 +1,27 @@
+"""Compression of the explicit all-reduce: a registry of compressors.
+
+`--allreduce_compression=NAME` picks a registered `Compressor`: `none` (the
+exact sum), `fp16` and `bf16` (casts), `powersgd` (low rank, error feedback)
+and `topk` (sparse, error feedback), or one an extension registers. See
+`base.py` for the interface, `state.py` for the per-replica state, and
+`wire.py` for the byte counts every all-reducing mode reports.
+"""
+
+from dist_loop.parallel.compression import cast, powersgd, topk  # Register them.
+from dist_loop.parallel.compression import wire
+from dist_loop.parallel.compression.base import (COMPRESSORS, Compressor,
+                                        check_options, is_compressible,
+                                        matrix_shape, nbytes, pack, unpack)
+from dist_loop.parallel.compression.state import State
+
+
+def make(options, variables, seed: int = 0) -> Compressor:
+  """The compressor `options.allreduce_compression` names, for gradients
+  of `variables`."""
+  return COMPRESSORS.get(options.allreduce_compression)(options, variables,
+                                                         seed)
+
+
+__all__ = ["COMPRESSORS", "Compressor", "State", "cast", "check_options",
+           "is_compressible", "make", "matrix_shape", "nbytes", "pack",
+           "powersgd", "topk", "unpack", "wire"]

@@ -1,0 +1,18 @@
+"""Parallel modes. This is the one place where a mode is chosen."""
+
+from dist_loop.parallel.modes import asynchronous  # pylint: disable=unused-import
+from dist_loop.parallel.modes import local_sgd  # pylint: disable=unused-import
+from dist_loop.parallel.modes import pipeline  # pylint: disable=unused-import
+from dist_loop.parallel.modes import ps  # pylint: disable=unused-import
+from dist_loop.parallel.modes import sync  # Registers the modes.
+from dist_loop.parallel.modes.base import MODES, Report, Reporting, Trainer
+from dist_loop.parallel.modes.loop import LoopTrainer, StepResult
+
+
+def build_trainer(config, devices, dataset, cluster) -> Trainer:
+  """The registered `Trainer` of `config.mode`."""
+  return MODES.get(config.mode)(config, devices, dataset, cluster)
+
+
+__all__ = ["MODES", "LoopTrainer", "Report", "Reporting", "StepResult",
+           "Trainer", "build_trainer"]

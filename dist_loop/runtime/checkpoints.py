@@ -1,0 +1,237 @@
+"""Checkpoints: one object graph for every mode, written by the chief.
+
+The checkpoint holds `step`, `model` and `optimizer` (and `loss_scale` under
+float16; see `Trainer.checkpoint_items`). Every mode builds the same
+`keras.Sequential` and one optimizer over all its variables, so a checkpoint
+written by one mode restores in another. `tf.train.CheckpointManager` writes
+each checkpoint under a new name and only then points the index file
+(`checkpoint`) at it, so a crash mid-write leaves the previous checkpoint as
+the latest.
+
+A save that fails (a full disk) removes what it wrote of the new checkpoint
+(TensorFlow leaves a `ckpt-N_temp` directory and partial `ckpt-N.*` files)
+and ends the run with one line naming the newest good checkpoint. Which
+checkpoint a run resumes from is `resume.py`'s.
+"""
+
+import collections
+import os
+import time
+from typing import Dict, Optional
+
+import tensorflow as tf
+from absl import logging
+
+from dist_loop.core.errors import UserError
+from dist_loop.runtime import resume
+from dist_loop.runtime import strategy as strategy_lib
+from dist_loop.runtime.checkpoint_names import CHECKPOINT_DIR, CHECKPOINT_PREFIX
+from dist_loop.runtime.checkpoint_names import newest_checkpoint_note
+from dist_loop.runtime.checkpoint_names import scan_checkpoints
+from dist_loop.runtime.files import reason
+
+
+class Checkpointer:
+  """The run's checkpoints, as the controller uses them: save at a step,
+  restore the newest readable one.
+
+  Args:
+    items: what the checkpoint holds (`Trainer.checkpoint_items()`).
+    workdir: the run's directory; checkpoints go to WORKDIR/checkpoints.
+    max_to_keep: checkpoints kept on the chief.
+    is_chief: whether this process keeps its checkpoints.
+    task_index: this process's index in its job (names a non-chief's
+      temporary directory).
+  """
+
+  def __init__(self, items: Dict[str, object], workdir: str, max_to_keep: int,
+               is_chief: bool = True, task_index: int = 0):
+    self.items = dict(items)
+    self.workdir = workdir
+    self.manager = manager(items, workdir, max_to_keep, is_chief, task_index)
+    # The newest good checkpoint this process knows: restored or saved.
+    self._latest: Optional[str] = None
+
+  @property
+  def saved_step(self) -> Optional[int]:
+    """The step of the latest checkpoint, or None before the first."""
+    latest = self._latest or self.manager.latest_checkpoint
+    return None if latest is None else int(latest.rsplit("-", 1)[-1])
+
+  def save(self, step: int) -> Optional[str]:
+    """Saves the state at `step`; returns the path, or None if the latest
+    checkpoint already is of `step` (the state is the same).
+
+    Raises:
+      UserError: the checkpoint could not be written (a full disk); what
+        was written of it is removed, and the message names the newest
+        good checkpoint.
+    """
+    if self.saved_step == step:
+      return None
+    try:
+      path = self.manager.save(checkpoint_number=step)
+    except strategy_lib.LOST_TASK_ERRORS:
+      raise  # A lost peer: `train.run` has the mode explain it.
+    except (tf.errors.OpError, OSError) as e:
+      raise UserError(
+          f"cannot write the checkpoint of step {step} in "
+          f"{self.manager.directory} ({reason(e)}); what was written of it "
+          f"is removed, and {self._newest_note()}. Free some space (or fix "
+          "the directory's permissions), then rerun the same command to "
+          "resume from there") from None
+    # Off the chief, the chief's copy: the worker's own is deleted.
+    self._latest = self.manager.latest_checkpoint or path
+    logging.info("step %d  saved checkpoint %s", step, path)
+    return path
+
+  def restore(self, scope) -> Optional[str]:
+    """See `resume.restore_latest`."""
+    path = resume.restore_latest(self.manager, scope, self.items,
+                                 self.workdir)
+    self._latest = path or self._latest
+    return path
+
+  def _newest_note(self) -> str:
+    if self._latest is None:
+      return newest_checkpoint_note(self.workdir)
+    return f"the newest checkpoint, {self._latest}, is intact"
+
+
+def manager(items, workdir: str, max_to_keep: int, is_chief: bool = True,
+            task_index: int = 0):
+  """A CheckpointManager over `items` in WORKDIR/checkpoints.
+
+  Off the chief (multi-worker sync), a `WorkerTempManager`: every worker of a
+  MultiWorkerMirroredStrategy must take part in a save, but only the chief's
+  copy is kept. `task_index` names that worker's temporary directory.
+  """
+  checkpoint = tf.train.Checkpoint(**items)
+  directory = os.path.join(workdir, CHECKPOINT_DIR)
+  if not is_chief:
+    return WorkerTempManager(checkpoint, directory, task_index)
+  return _Manager(checkpoint, directory, max_to_keep=max_to_keep)
+
+
+class _Manager(tf.train.CheckpointManager):
+  """A CheckpointManager that starts without history when the index file
+  cannot be read, instead of raising, and whose failed save leaves nothing.
+
+  Without history it knows none of the older checkpoints, so it never
+  deletes them; `restore_latest` finds them by their names. Its first save
+  rewrites the index.
+  """
+
+  def __init__(self, checkpoint, directory, max_to_keep):
+    try:
+      super().__init__(checkpoint, directory, max_to_keep=max_to_keep)
+    except ValueError:  # Empty, or not text (UnicodeDecodeError).
+      # The state TensorFlow's constructor sets when there is no index.
+      self._maybe_delete = collections.OrderedDict()
+      self._latest_checkpoint = None
+      self._last_preserved_timestamp = time.time() - 1.0
+
+  def save(self, checkpoint_number: int) -> str:  # pylint: disable=arguments-differ
+    """Saves; if that fails, removes the new checkpoint's files (TensorFlow
+    leaves `ckpt-N_temp/` and partial `ckpt-N.*`, and an index's temporary
+    file) and forgets it, then raises. Returns the path."""
+    name = f"{CHECKPOINT_PREFIX}-{checkpoint_number}"
+    before = set(os.listdir(self.directory)) if os.path.isdir(
+        self.directory) else set()
+    state = (self._latest_checkpoint, collections.OrderedDict(
+        self._maybe_delete))
+    try:
+      return super().save(checkpoint_number=checkpoint_number)
+    except BaseException:
+      path = os.path.join(self.directory, name)
+      if _indexed(self.directory) == path:
+        # The index already names it: only the bookkeeping after it failed.
+        logging.warning("Saved %s, but could not update the index's list of "
+                        "older checkpoints.", path)
+        return path
+      self._latest_checkpoint, self._maybe_delete = state
+      _remove_new(self.directory, before, name)
+      raise
+
+
+def _remove_new(directory: str, before, name: str) -> None:
+  """Removes what a failed save of checkpoint `name` added to `directory`."""
+  for entry in set(os.listdir(directory)) - before:
+    if (entry == f"{name}_temp" or entry.startswith(f"{name}.")
+        or entry.startswith("checkpoint.tmp")):
+      path = os.path.join(directory, entry)
+      try:
+        if os.path.isdir(path):
+          tf.io.gfile.rmtree(path)
+        else:
+          os.unlink(path)
+      except (OSError, tf.errors.OpError) as e:
+        logging.warning("Could not remove %s (%s).", path, reason(e))
+
+
+class WorkerTempManager:
+  """A non-chief worker's checkpoints: written to a temporary directory of
+  its own, deleted straight away (the MWMS recipe: saving may run collectives
+  every worker has to join, and two writers must not share a path).
+
+  `latest_checkpoint` names the chief's copy of what this worker last saved,
+  or before any save the chief's latest, which restore reads: the workdir is
+  on a filesystem every worker sees.
+  """
+
+  def __init__(self, checkpoint: tf.train.Checkpoint, chief_directory: str,
+               task_index: int):
+    self.checkpoint = checkpoint
+    self._chief_directory = chief_directory
+    self._temp_directory = os.path.join(chief_directory,
+                                        f"workertemp_{task_index}")
+    self._latest = _indexed(chief_directory)
+
+  @property
+  def latest_checkpoint(self):
+    return self._latest
+
+  @property
+  def directory(self):
+    """Where the run's checkpoints are kept: the chief's directory."""
+    return self._chief_directory
+
+  def save(self, checkpoint_number: int) -> str:
+    temp = tf.train.CheckpointManager(self.checkpoint, self._temp_directory,
+                                      max_to_keep=1)
+    try:
+      path = temp.save(checkpoint_number=checkpoint_number)
+    finally:
+      if tf.io.gfile.exists(self._temp_directory):
+        tf.io.gfile.rmtree(self._temp_directory)
+    self._latest = os.path.join(self._chief_directory, os.path.basename(path))
+    return path
+
+
+def _indexed(directory: str) -> Optional[str]:
+  """The latest checkpoint the index names; None if it names none or
+  cannot be read."""
+  try:
+    return tf.train.latest_checkpoint(directory)
+  except ValueError:  # Empty, or not text (UnicodeDecodeError).
+    return None
+
+
+def load_model(config, path: Optional[str] = None):
+  """The run's model with the variables of its latest checkpoint (or `path`).
+
+  For evaluation, fine-tuning and tests: no strategy, no optimizer, float32.
+
+  Raises:
+    FileNotFoundError: the workdir holds no checkpoint.
+  """
+  dataset = data.load(config, models.image_size_for(config.model))
+  model = models.build(config.model, dataset.input_shape,
+                       dataset.num_classes, options=config.model_options)
+  directory = os.path.join(config.workdir, CHECKPOINT_DIR)
+  path = path or _indexed(directory) or (scan_checkpoints(directory)
+                                          or [None])[-1]
+  if path is None:
+    raise FileNotFoundError(f"no checkpoint in {config.workdir}")
+  tf.train.Checkpoint(model=model).restore(path).expect_partial()
+  return model

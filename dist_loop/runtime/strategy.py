@@ -1,0 +1,245 @@
+"""Building tf.distribute strategies that can live side by side in a process.
+
+A MirroredStrategy over CPU devices all-reduces with collective ops, and
+every new MirroredStrategy starts numbering its collective groups at 1. Two
+strategies in one process (tests, benchmarks, hybrid modes) then reuse the
+same collective instances with other shapes or dtypes, and the runtime aborts
+("Collective instance 100 expected type 0 and data_type 14 ..."), poisoning
+the process. TensorFlow's own tests avoid this with the class attribute
+`_collective_key_base`; each strategy built here gets a fresh base instead.
+
+Several processes: `multi_worker` joins the cluster, and gives up after
+`--join_timeout_s` naming the tasks that did not come up (by default
+TensorFlow waits for them forever, silently); `wait_for_servers` bounds
+the wait of a process that connects to servers, such as a ps chief.
+"""
+
+import concurrent.futures
+import itertools
+import re
+import socket
+import time
+from typing import Optional
+
+import tensorflow as tf
+from absl import logging
+
+from dist_loop.runtime import cluster as cluster_lib
+from dist_loop.runtime.cluster import Cluster, ClusterError
+
+# Group keys per strategy are few (one per device set); leave ample room.
+_KEY_SPACING = 10_000
+_key_bases = itertools.count(1)
+
+
+class MirroredStrategy(tf.distribute.MirroredStrategy):
+  """`tf.distribute.MirroredStrategy`, its collective keys unique in the
+  process."""
+
+  def __init__(self, devices=None, cross_device_ops=None):
+    # Read by MirroredExtended while the parent __init__ builds it.
+    self._collective_key_base = next(_key_bases) * _KEY_SPACING
+    super().__init__(devices=devices, cross_device_ops=cross_device_ops)
+
+
+def mirrored(devices) -> tf.distribute.Strategy:
+  """A MirroredStrategy over `devices` that coexists with others."""
+  return MirroredStrategy(devices)
+
+
+def cross_replica_call(fn, *args, **kwargs):
+  """`fn(strategy, *args, **kwargs)` in cross-replica context, from either
+  context: through `merge_call` from replica context (inside
+  `strategy.run`), directly from cross-replica context (the ps mode's
+  update lock). Returns what `fn` returns."""
+  if tf.distribute.in_cross_replica_context():
+    return fn(tf.distribute.get_strategy(), *args, **kwargs)
+  return tf.distribute.get_replica_context().merge_call(
+      fn, args=args, kwargs=kwargs)
+
+
+def on_first_replica(strategy, cache, fn, *args):
+  """`fn(*args)` run by `strategy.run` (where mirrored variables can be
+  differentiated), the first replica's result returned. `cache` maps each
+  `fn` to its `tf.function`, so a repeated call does not retrace."""
+  if fn not in cache:
+    cache[fn] = tf.function(lambda *a: strategy.run(fn, args=a),
+                           autograph=False)
+  out = cache[fn](*args)
+  return tf.nest.map_structure(
+      lambda v: strategy.experimental_local_results(v)[0], out)
+
+
+# What a collective or a remote op raises when another task of the cluster
+# (a peer worker, a parameter server) died or stopped answering.
+LOST_TASK_ERRORS = (tf.errors.UnavailableError,
+                    tf.errors.DeadlineExceededError, tf.errors.AbortedError,
+                    tf.errors.CancelledError)
+
+
+# -- several processes --
+
+_multi_worker = None
+
+
+def multi_worker(collective_timeout_s: float,
+                 cluster: Optional[Cluster] = None,
+                 join_timeout_s: float = 300.0) -> tf.distribute.Strategy:
+  """This process's MultiWorkerMirroredStrategy over `cluster`.
+
+  TensorFlow allows one per process, built before any op runs ("Collective
+  ops must be configured at program startup"), so the first call (the
+  mode's `join_cluster`) builds it and later calls return the same one.
+  `collective_timeout_s` bounds every collective: a dead peer gives an
+  error, not a hang. Building it joins the cluster (`_join`), which gives
+  up after `join_timeout_s`.
+
+  Raises:
+    ClusterError: a task of the cluster did not join in time, or this task
+      could not start its server.
+  """
+  global _multi_worker
+  if _multi_worker is None:
+    if cluster is None:
+      raise RuntimeError("the first multi_worker() call names the cluster")
+    options = tf.distribute.experimental.CommunicationOptions(
+        timeout_seconds=collective_timeout_s)
+    _multi_worker = _join(cluster, join_timeout_s, lambda resolver: (
+        tf.distribute.MultiWorkerMirroredStrategy(
+            cluster_resolver=resolver, communication_options=options)))
+  return _multi_worker
+
+
+# -- joining a cluster, with a bound --
+#
+# Building the strategy starts this task's server and registers it with the
+# cluster's coordination service (on the chief, or worker 0), which waits
+# for every task; by default it waits forever for one that never starts.
+# The service's own registration barrier bounds that wait on every task,
+# and names the tasks it waited for.
+
+_TASK = re.compile(r"/job:(\w+)/replica:\d+/task:(\d+)")
+
+
+def _join(cluster: Cluster, timeout_s: float, build):
+  """`build(resolver)` for `cluster`, bounded by `timeout_s`.
+
+  Raises:
+    ClusterError: a task did not join in time, or this one could not start.
+  """
+  _configure_coordination(cluster, timeout_s)
+  resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+      tf.train.ClusterSpec(cluster.as_dict()), task_type=cluster.task_type,
+      task_id=cluster.task_index, rpc_layer="grpc",
+      # Every local GPU, as the strategy counts them by default.
+      num_accelerators={"GPU": len(tf.config.list_physical_devices("GPU"))})
+  # Said before, not during: the build holds the interpreter while it waits.
+  _say_waiting(cluster, _not_listening(cluster), timeout_s)
+  try:
+    return build(resolver)
+  except tf.errors.DeadlineExceededError as e:
+    raise ClusterError(_not_joined(cluster, timeout_s, e)) from None
+  except tf.errors.OpError as e:
+    raise ClusterError(
+        f"{cluster.task_name} could not join the cluster "
+        f"({cluster_lib.describe(e)}); check that its address "
+        f"{dict(cluster.tasks())[cluster.task_name]} is free on this host "
+        "and that every task was given the same cluster") from None
+
+
+def _configure_coordination(cluster: Cluster, timeout_s: float) -> None:
+  """The coordination service MultiWorkerMirroredStrategy configures for
+  itself when none is (same leader, same jobs), plus the registration
+  barrier and its timeout, which no public API sets."""
+  # pylint: disable=g-import-not-at-top
+  from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
+  from tensorflow.python.eager import context
+  # pylint: enable=g-import-not-at-top
+  spec = tf.train.ClusterSpec(cluster.as_dict())
+  context.context().configure_coordination_service(
+      service_type="standalone", service_leader=_leader(spec),
+      cluster_register_timeout_in_ms=max(int(timeout_s * 1000), 1),
+      coordinated_jobs=[
+          coordination_config_pb2.CoordinatedJob(
+              name=job, num_tasks=spec.num_tasks(job))
+          for job in (cluster_lib.CHIEF, cluster_lib.WORKER)
+          if job in spec.jobs])
+  context.context().coordination_service.cluster_register_with_barrier = True
+
+
+def _leader(spec: tf.train.ClusterSpec) -> str:
+  """The task that runs the coordination service, as TensorFlow picks it."""
+  from tensorflow.python.distribute import multi_worker_util  # pylint: disable=g-import-not-at-top
+  return multi_worker_util.coordination_leader(spec)
+
+
+def _say_waiting(cluster: Cluster, down, timeout_s: float) -> None:
+  """One line naming the tasks that are not up yet (`down`), if any: what
+  this task is about to wait for."""
+  if down:
+    logging.info("%s: waiting for %s to start; giving up after "
+                 "--join_timeout_s=%g", cluster.task_name, _named(down),
+                 timeout_s)
+
+
+def wait_for_servers(cluster: Cluster, timeout_s: float) -> None:
+  """Waits until every other task of `cluster` accepts connections, for a
+  process that connects to servers which do not wait for it (a ps chief:
+  TensorFlow's connection to the cluster has no timeout). Says once what it
+  waits for.
+
+  Raises:
+    ClusterError: a task did not start within `timeout_s`.
+  """
+  deadline = time.monotonic() + timeout_s
+  down = _not_listening(cluster)
+  _say_waiting(cluster, down, timeout_s)
+  while down:
+    if time.monotonic() > deadline:
+      raise ClusterError(
+          f"{_named(down)} did not start within --join_timeout_s="
+          f"{timeout_s:g}; start every task of the cluster with the same "
+          f"command, or check that {cluster.task_name} can reach them")
+    time.sleep(0.5)
+    down = _not_listening(cluster)
+
+
+def _not_listening(cluster: Cluster):
+  """The other tasks of `cluster` that accept no connection now."""
+  others = [(n, a) for n, a in cluster.tasks() if n != cluster.task_name]
+  # At once: an unreachable host costs a connect timeout.
+  with concurrent.futures.ThreadPoolExecutor(max_workers=32) as pool:
+    up = list(pool.map(lambda task: _listening(task[1]), others))
+  return [task for task, listening in zip(others, up) if not listening]
+
+
+def _named(tasks) -> str:
+  return ", ".join(f"{name} ({address})" for name, address in tasks)
+
+
+def _listening(address: str) -> bool:
+  host, _, port = address.rpartition(":")
+  try:
+    with socket.create_connection((host.strip("[]"), int(port)), timeout=1):
+      return True
+  except OSError:
+    return False
+
+
+def _not_joined(cluster: Cluster, timeout_s: float, error) -> str:
+  """The one line for a join that timed out, naming the missing tasks: the
+  ones the leader's barrier names, or else the leader (a task that is not
+  the leader waits to register with it)."""
+  text = getattr(error, "message", "") or str(error)
+  # The names follow this, one per line, up to a blank line.
+  waited = text.partition("timed out task names:")[2].partition("\n\n")[0]
+  names = list(dict.fromkeys(  # The message repeats them.
+      f"{job}:{index}" for job, index in _TASK.findall(waited)))
+  if not names:
+    names = ["{}:{}".format(*_TASK.search(
+        _leader(tf.train.ClusterSpec(cluster.as_dict()))).groups())]
+  addresses = dict(cluster.tasks())
+  missing = _named((n, addresses.get(n, "?")) for n in names)
+  return (f"{missing} did not join the cluster within --join_timeout_s="
+          f"{timeout_s:g}; start every task of the cluster with the same "
+          f"command, or check that {cluster.task_name} can reach them")

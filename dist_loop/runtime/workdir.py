@@ -1,0 +1,145 @@
+"""The workdir as a careful database: one run at a time, checks before writes.
+
+This module is the contract: the names of a run's files, the read-only
+`check`, and the `Lock` a run holds (`dist_loop/runtime/lock.py`: an exclusive
+`flock` on WORKDIR/lock, removed when the run ends, so a workdir looks the
+same before and after a run that was refused). Checkpoints are found by
+their names in `dist_loop/runtime/checkpoint_names.py`.
+
+`train.run` writes in this order, so that a refused run leaves the workdir
+as it was:
+
+1. `check`, read-only: the workdir can be used, flags.txt is a readable
+   flagfile with the same layout flags, and no part of the run
+   (checkpoints/, flags.txt, summary.json, tb/) is of the wrong kind. It runs
+   before TensorFlow joins a cluster, and again under the lock.
+2. `Lock` (creates the workdir if needed, and removes it again if the run
+   fails before writing anything in it).
+3. The newest readable checkpoint is restored (`checkpoints.py`).
+4. flags.txt, then TensorBoard events and checkpoints, then summary.json.
+
+Nothing here deletes or "repairs" what a user left in a workdir: an odd
+state is reported with the path to move aside. This module does not import
+TensorFlow, so a tool can take or test the lock cheaply.
+"""
+
+import os
+from typing import Sequence
+
+from dist_loop.core.config import Config
+from dist_loop.core.errors import UserError
+from dist_loop.runtime import lock as _lock
+from dist_loop.runtime.checkpoint_names import CHECKPOINT_DIR, INDEX_FILE
+
+FLAGS_FILE = "flags.txt"
+SUMMARY_FILE = "summary.json"
+# The lock a run holds is part of the contract; `lock.py` is how it works.
+LOCK_FILE = _lock.LOCK_FILE
+Lock = _lock.Lock
+lock_name = _lock.lock_name
+
+
+# -- checks: read-only --
+
+
+def check(config: Config, dirs: Sequence[str] = ()) -> None:
+  """Refuses a workdir the run cannot use, without writing anything.
+
+  Args:
+    config: the run's configuration (`workdir`, `allow_config_change` and
+      the layout flags).
+    dirs: other directories the run writes under the workdir (TensorBoard's).
+
+  Raises:
+    UserError: naming the path and the fix.
+  """
+  root = config.workdir  # Not empty: `Config.validate` saw to that.
+  _check_location(root)
+  if not os.path.isdir(root):
+    return  # A new run: nothing in it to check.
+  for name in (FLAGS_FILE, SUMMARY_FILE, INDEX_FILE):
+    _expect_kind(os.path.join(root, name), is_dir=False)
+  for name in (CHECKPOINT_DIR, *dirs):
+    _expect_kind(os.path.join(root, name), is_dir=True)
+  _check_flags(config)
+
+
+def _check_location(root: str) -> None:
+  """The workdir is a directory, or can be created as one. (Whether a
+  filesystem such as /proc accepts a new directory shows only when `Lock`
+  creates it.)"""
+  path = os.path.abspath(root)
+  if os.path.exists(path):
+    if not os.path.isdir(path):
+      raise UserError(f"--workdir={root} is a file, not a directory; use "
+                      "another --workdir, or move the file aside")
+    if not os.access(path, os.R_OK | os.W_OK | os.X_OK):
+      raise UserError(f"--workdir={root} is not writable by this user; use "
+                      "another --workdir")
+    return
+  parent = os.path.dirname(path)
+  while not os.path.exists(parent):
+    parent = os.path.dirname(parent)
+  if not os.path.isdir(parent):
+    raise UserError(f"--workdir={root} cannot be created: {parent} is a "
+                    "file; use another --workdir")
+  if not os.access(parent, os.W_OK | os.X_OK):
+    raise UserError(f"--workdir={root} cannot be created: {parent} is not "
+                    "writable; use another --workdir")
+
+
+def _expect_kind(path: str, is_dir: bool) -> None:
+  if not os.path.lexists(path) or os.path.isdir(path) == is_dir:
+    return
+  what, should = (("a file", "a directory") if is_dir
+                  else ("a directory", "a file"))
+  raise UserError(f"{path} is {what}, but a run keeps {should} there; move "
+                  "it aside (nothing was changed)")
+
+
+def read_flags(path: str) -> str:
+  """The text of a flags.txt, checked to be a flagfile.
+
+  Raises:
+    UserError: it cannot be read, is not UTF-8 text, is empty, or has a
+      line that is not a flag or a comment.
+  """
+  try:
+    with open(path, "rb") as f:
+      raw = f.read()
+  except OSError as e:
+    raise UserError(f"{path} cannot be read ({e.strerror}); move it aside, "
+                    "or fix its permissions") from None
+  try:
+    text = raw.decode("utf-8")
+  except UnicodeDecodeError as e:
+    raise _not_a_flagfile(path, f"not UTF-8 text (byte {e.start})") from None
+  lines = [line.strip() for line in text.splitlines()]
+  flags = [line for line in lines if line.startswith("-")]
+  bad = [line for line in lines
+         if line and not line.startswith(("-", "#", "//"))]
+  if bad:
+    raise _not_a_flagfile(path, f"line {bad[0][:60]!r} is not a --flag")
+  if not flags:
+    raise _not_a_flagfile(path, "it holds no flags")
+  return text
+
+
+def _not_a_flagfile(path: str, why: str) -> UserError:
+  return UserError(f"{path} is not a flagfile ({why}), so this run cannot be "
+                   "checked against the one that wrote the workdir; move it "
+                   "aside, or pass --allow_config_change to resume and "
+                   "rewrite it")
+
+
+def _check_flags(config: Config) -> None:
+  """flags.txt is a flagfile with the same layout flags as `config`."""
+  path = os.path.join(config.workdir, FLAGS_FILE)
+  if config.allow_config_change or not os.path.exists(path):
+    return
+  changes = config.layout_changes(read_flags(path))
+  if changes:
+    raise UserError(
+        f"{config.workdir} holds a run with other settings "
+        f"({'; '.join(changes)}). Use a new --workdir, restore the old values, "
+        "or pass --allow_config_change to resume anyway")

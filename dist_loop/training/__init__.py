@@ -1,0 +1,3 @@
+"""The step core: the task's loss turned into shares and gradients, the
+optimizers and their update, precision, per-replica values.
+"""
