@@ -27,5 +27,11 @@ def run(config, flags_text=None, cluster=None):
   return train.run(config, flags_text, cluster)
 
 
+def load_model(config, path=None):
+  """See `dist_loop.control.weights.load_model`: a run's latest weights."""
+  from dist_loop.control import weights  # pylint: disable=g-import-not-at-top
+  return weights.load_model(config, path)
+
+
 __all__ = ["Config", "DivergedError", "NonFiniteError", "UserError",
-           "make_config", "run"]
+           "load_model", "make_config", "run"]

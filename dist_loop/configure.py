@@ -1,17 +1,19 @@
 """Building a valid `Config`: the checks that need the registries.
 
 `Config` (config.py) is the lowest layer and knows no registry; this module
-sits above the registries of modes, models, datasets and optimizers and
-checks names against them, then asks the chosen mode for its own rules.
+sits above the registries of modes, models, datasets, schedules and
+optimizers and checks names against them, then asks the chosen mode for its
+own rules.
 The flag layer and `run` both call `validate`, so a bad combination fails at
 parse time, before any work.
 
-A registered mode, model or dataset may declare `Options`, a dataclass of
-`option(...)` fields (`dist_loop/core/options.py`): its flags. `COMPONENTS` says
-which registry fills which `Config` field.
+A registered mode, model, dataset or schedule may declare `Options`, a
+dataclass of `option(...)` fields (`dist_loop/core/options.py`): its flags.
+`COMPONENTS` says which registry fills which `Config` field.
 """
 
 import dataclasses
+import os
 from typing import Any, Dict, List, Tuple
 
 from dist_loop import data, models
@@ -21,13 +23,15 @@ from dist_loop.core.errors import UserError
 from dist_loop.core.registry import Registry
 from dist_loop.parallel import modes
 from dist_loop.runtime import cluster as cluster_lib
-from dist_loop.training import optim
+from dist_loop.runtime import devices
+from dist_loop.training import optim, schedules
 
 # (selector field, registry, Config field of its options)
 COMPONENTS: Tuple[Tuple[str, Registry, str], ...] = (
     ("mode", modes.MODES, "mode_options"),
     ("model", models.MODELS, "model_options"),
     ("dataset", data.DATASETS, "dataset_options"),
+    ("lr_schedule", schedules.SCHEDULES, "schedule_options"),
 )
 
 _RUN_FIELDS = tuple(f.name for f in dataclasses.fields(Config)
@@ -77,7 +81,8 @@ def make_config(**fields: Any) -> Config:
         raise UserError(f"--{name} is an option of {' or '.join(who[name])}, "
                         "which this run does not use; drop it")
     raise UserError(f"unknown setting {unknown[0]!r}: not a field of Config, "
-                    "nor an option of the chosen mode, model or dataset")
+                    "nor an option of the chosen mode, model, dataset or "
+                    "schedule")
   return Config(**{k: v for k, v in fields.items() if k in _RUN_FIELDS},
                 **chosen)
 
@@ -112,6 +117,9 @@ def validate(config: Config, cluster: cluster_lib.Cluster) -> Config:
                       f"options of type {cls.__name__}, got "
                       f"{type(value).__name__}")
   config.validate()
+  devices.check_thread_variables(os.environ)
+  check_fit(config.model, config.dataset)
+  schedules.check(config)
   if cluster.num_tasks > 1 and not trainer_class.multi_process:
     raise UserError(f"--mode={config.mode} runs in one process, but "
                     "TF_CONFIG describes a cluster; unset TF_CONFIG, or use "
@@ -119,6 +127,56 @@ def validate(config: Config, cluster: cluster_lib.Cluster) -> Config:
   trainer_class.check_capabilities(config)
   trainer_class.validate(config, cluster)
   return config
+
+
+def fits(model: str, dataset: str) -> bool:
+  """Whether the registered model takes what the registered dataset gives,
+  by their declarations (`models.takes`, `data.gives`); what a dataset does
+  not declare is not held against it."""
+  return _misfit(model, dataset) is None
+
+
+def _misfit(model: str, dataset: str, got=None):
+  """What of the model's declaration the dataset does not give (`got`: what
+  it gives; None: what it declares), or None."""
+  want = models.takes(model)
+  if got is None:
+    got = data.gives(dataset, models.image_size_for(model))
+  if None not in (want.task, got.task) and want.task != got.task:
+    return f"the {want.task} task, but --dataset={dataset} poses {got.task}"
+  if None not in (want.dtype, got.dtype) and want.dtype != got.dtype:
+    return f"{want.dtype} inputs, but --dataset={dataset} gives {got.dtype}"
+  if None not in (want.rank, got.rank) and want.rank != got.rank:
+    return (f"examples of rank {want.rank}, but --dataset={dataset} gives "
+            f"rank {got.rank}")
+  return None
+
+
+def check_fit(model: str, dataset: str, got=None) -> None:
+  """Refuses a model and a dataset that do not fit, naming what does.
+
+  Args:
+    model: a registered model.
+    dataset: a registered dataset.
+    got: what the loaded dataset gives (`data.given`), for the checks its
+      loader's declaration left open; None: its declaration only.
+
+  Raises:
+    UserError: one line: what the model takes, what the dataset gives, and
+      the registered pairs that fit.
+  """
+  misfit = _misfit(model, dataset, got)
+  if misfit is None:
+    return
+  # Another model by task and dtype: the rank of loaded data depends on
+  # the image size the model asked for.
+  fixes = [f"--model={m} with this dataset" for m in models.MODELS.names()
+           if m != model and _misfit(m, dataset, got and got._replace(
+               rank=None)) is None]
+  fixes += [f"--dataset={d} with this model" for d in data.DATASETS.names()
+            if fits(model, d) and d != dataset]
+  raise UserError(f"--model={model} takes {misfit}; use "
+                  f"{' or '.join(fixes) or 'another pair'}")
 
 
 def flat_defaults() -> Dict[str, Any]:

@@ -97,6 +97,8 @@ def _run(config, flags_text, cluster):
     if config.deterministic:
       tf.config.experimental.enable_op_determinism()
     dataset = data.load(config, models.image_size_for(config.model))
+    # What the loader did not declare, the loaded data tells.
+    configure.check_fit(config.model, config.dataset, data.given(dataset))
     try:
       trainer = build_trainer(config, device_names, dataset, cluster)
       try:
@@ -114,10 +116,14 @@ def _run(config, flags_text, cluster):
 def _train(config, trainer, dataset, cluster, flags_text):
   """Everything that writes to the workdir, in order."""
   workdir = config.workdir
+  previous_flags = workdir_lib.previous_flags(config)
+  # --allow_config_change let a changed optimizer through: fresh slots.
+  fresh = (("optimizer",) if previous_flags
+           and config.optimizer_change(previous_flags) else ())
   checkpointer = checkpoints.Checkpointer(
       trainer.checkpoint_items(), workdir, config.max_checkpoints,
-      trainer.is_chief, cluster.task_index)
-  checkpointer.restore(trainer.scope())
+      trainer.is_chief, cluster.task_index, fresh=fresh)
+  resumed = checkpointer.restore(trainer.scope())
   summary_path = os.path.join(workdir, SUMMARY_FILE)
   previous = _read_summary(summary_path)
   if trainer.is_chief:
@@ -127,14 +133,19 @@ def _train(config, trainer, dataset, cluster, flags_text):
   try:
     summaries.hparams(_hparams(config))
     logging.info("%s", console.banner(config, trainer.devices, trainer.model,
-                                      dataset))
+                                      dataset, cluster))
+    changed = (config.changes(previous_flags) if resumed and previous_flags
+               else [])
+    if changed:
+      logging.info("%s", _changes_line(changed, bool(fresh)))
     recovery = NonFinitePolicy(config, checkpointer, trainer, summaries)
     inputs = _inputs(config, trainer, dataset, checkpointer, summaries,
                      summary_path if trainer.is_chief else None,
                      [recovery.summary], previous)
     run_actions = actions.standard(config, inputs)
     stop = preemption.Sigterm(
-        config.grace_period_s, preemption.Agreement.for_run(trainer, cluster))
+        config.grace_period_s,
+        preemption.Agreement.for_run(trainer.scope, cluster))
     step = Controller(trainer, run_actions, train_steps=config.train_steps,
                       steps_per_loop=config.steps_per_loop,
                       recovery=recovery, stop=stop).run()
@@ -146,6 +157,16 @@ def _train(config, trainer, dataset, cluster, flags_text):
     raise DivergedError(divergence.message(summary["diverged"], step),
                         summary)
   return summary
+
+
+def _changes_line(changes, fresh_optimizer: bool) -> str:
+  """One line: the flags changed since the checkpoint, which apply from the
+  resumed step on (the learning rate is the schedule's, never the
+  checkpoint's)."""
+  return "changed since the checkpoint: " + "; ".join(
+      c + (" (its slots start fresh)"
+           if fresh_optimizer and c.startswith("--optimizer:") else "")
+      for c in changes)
 
 
 def _inputs(config, trainer, dataset, checkpointer, summaries, summary_path,
@@ -168,8 +189,7 @@ def _inputs(config, trainer, dataset, checkpointer, summaries, summary_path,
       # What `report` adds (bits per byte) is named by calling it.
       reported_names=tuple(task.report(
           {name: 1.0 for name in task.metric_names})),
-      learning_rate=lambda: float(tf.convert_to_tensor(
-          optimizer.learning_rate)),
+      learning_rate=lambda step: trainer.recipe.schedule.value(max(step, 1)),
       devices=trainer.devices,
       model=trainer.model,
       probe_batch=(dataset.train_x[:PROBE_BATCH],

@@ -5,8 +5,8 @@ Every flag is generated from a dataclass of `option(...)` fields
 each mode's, model's and dataset's from the `Options` it declares. A flag's
 type, default, help, bounds, choices and `--helpfull` group are what the
 field declares, so they are written once; this file does not change when a
-field or a component is added (extensions register theirs on import,
-below). `--helpfull` lists the run-wide flags by section ("run: the loop")
+field or a component is added (the user's modules, `--user_modules`,
+register theirs when the entry point imports them, before this module). `--helpfull` lists the run-wide flags by section ("run: the loop")
 and each component's under its name ("options of --mode=pipeline").
 
 The whole configuration is checked once, while absl parses: absl's own
@@ -30,7 +30,7 @@ from dist_loop.core import options as options_lib
 from dist_loop.core.errors import UserError
 from dist_loop.runtime import cluster as cluster_lib
 from dist_loop.training import optim
-from experiments import extensions  # pylint: disable=unused-import
+from experiments import user_modules
 
 FLAGS = flags.FLAGS
 
@@ -114,8 +114,8 @@ def define_component_flags() -> None:
   """Defines a flag for every option of every registered mode, model and
   dataset, once per name.
 
-  Called at import, after the extensions registered theirs; call it again
-  for a component registered later.
+  Called at import, after the user's modules registered theirs; call it
+  again for a component registered later.
 
   Raises:
     ValueError: an option has the name of another flag, or two components
@@ -123,7 +123,7 @@ def define_component_flags() -> None:
   """
   for name, owners in configure.owners().items():
     spec = _spec_of(name)
-    if name in _OPTION_FLAGS:
+    if name in _OPTION_FLAGS and name in FLAGS:  # (A test may drop flags.)
       known = _OPTION_FLAGS[name]
       if (known.type, known.default) != (spec.type, spec.default):
         raise ValueError(f"option --{name} is declared differently by "
@@ -152,7 +152,9 @@ define_component_flags()
 
 def _values(overrides: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
   """The run-wide flags, the options of the chosen components, and any
-  other option the user set (which `configure.make_config` refuses)."""
+  other option the user set (which `configure.make_config` refuses). An
+  option of a component registered after the flags were made (imported by
+  a program, not by `--user_modules`) has no flag: its default applies."""
   overrides = overrides or {}
 
   def value(name):
@@ -162,7 +164,7 @@ def _values(overrides: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
   chosen = {f"--{selector}={fields[selector]}"
             for selector, _, _ in configure.COMPONENTS}
   for name, owners in configure.owners().items():
-    if chosen & set(owners) or FLAGS[name].present:
+    if name in FLAGS and (chosen & set(owners) or FLAGS[name].present):
       fields[name] = value(name)
   return fields
 
@@ -230,5 +232,8 @@ def to_config() -> config_lib.Config:
 
 def to_flagfile() -> str:
   """The resolved run flags in flagfile format, for WORKDIR/flags.txt:
-  the run-wide flags and the chosen components' options."""
-  return to_config().to_flagfile()
+  `--user_modules` (paths absolute), the run-wide flags and the chosen
+  components' options."""
+  modules = user_modules.recorded(FLAGS.user_modules)
+  return ((f"--user_modules={','.join(modules)}\n" if modules else "")
+          + to_config().to_flagfile())

@@ -9,20 +9,25 @@ options under its name. The terminal shows the run's own lines only;
 `--verbosity=1` adds TensorFlow's warnings, `--verbosity=2` everything
 (`dist_loop/runtime/console.py`).
 
-Flagfiles are read here, before absl parses (`expand_flagfiles`): a nested
-`--flagfile` is found next to the file that names it, so a flagfile works
-from any directory. Ctrl-C at any moment ends the command with one line and
+Before absl parses, the command line's flagfiles are read
+(`experiments/flagfiles.py`: a nested `--flagfile` is found next to the
+file that names it, so a flagfile works from any directory), TensorFlow
+starts quietly (`experiments/startup.py`), and the modules of
+`--user_modules` are imported (`experiments/user_modules.py`), so the
+flags generated next (`experiments/flags.py`) include their components'
+options. A command line that cannot be read that far is one line and exit
+code 2. Ctrl-C at any moment ends the command with one line and
 exit code 130: during start-up (imports, flag parsing) at once, as nothing
 has been written yet; once `main` runs, as a KeyboardInterrupt, so that the
 run releases what it holds (the controller saves a checkpoint first). A
 process started with Ctrl-C ignored keeps ignoring it.
 """
 
-import codecs
+import importlib
 import os
 import signal
 import sys
-from typing import List, Sequence, Tuple
+from typing import List
 
 # Ctrl-C before `main`: nothing to clean up, so exit at once. The line goes
 # to the terminal's stderr, saved here, because start-up may point file
@@ -51,131 +56,50 @@ if __name__ == "__main__":
   exit_on_ctrl_c("during start-up; nothing was written")
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
-from absl import flags
+from absl import app, flags
 
-from dist_loop.runtime import console, process_exit
+import dist_loop
+from dist_loop.runtime import console
+from experiments import flagfiles, startup, user_modules
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
-_FLAGFILE = ("--flagfile", "-flagfile")
+
+def before_the_flags(argv: List[str]) -> List[str]:
+  """What runs before the flags exist: the flagfiles read, TensorFlow
+  started quietly, the user's modules imported, the flags generated.
+  Returns the command line with its flagfiles expanded; a command line
+  that cannot be read is one line and exit code 2, with nothing created."""
+  try:
+    argv = flagfiles.expand_flagfiles(argv)
+    startup.start(flagfiles.requested_verbosity(argv))
+    load_user_code(argv)
+  except dist_loop.UserError as error:
+    print(f"error: {error}", file=sys.stderr)
+    sys.exit(error.exit_code)
+  return argv
 
 
-class FlagfileError(Exception):
-  """A flagfile that cannot be used; the message names it and the fix."""
-
-
-def expand_flagfiles(argv: Sequence[str]) -> List[str]:
-  """`argv` with each `--flagfile` replaced by the flags its file holds.
-
-  As absl reads flagfiles (one argument per line, lines starting with `#`
-  or `//` are comments, a file may name another with `--flagfile=PATH`,
-  later flags win, nothing after `--` is read), except:
-
-  * a relative nested `--flagfile=PATH` is looked up next to the file that
-    names it first, then in the current directory (absl's only rule, so
-    flagfiles written for it keep working);
-  * files are read as UTF-8, and a leading byte-order mark is ignored;
-  * a file that cannot be read or decoded, or that includes itself, is a
-    `FlagfileError` naming it (absl gives a traceback for an undecodable
-    file and skips a loop with a warning).
+def load_user_code(argv: List[str]) -> None:
+  """Imports the modules of `--user_modules` in `argv` (flagfiles
+  expanded), then defines the flags of every registered component.
 
   Raises:
-    FlagfileError: naming the file and the fix.
+    UserModuleError: a module cannot be imported, or an option of a
+      component it registered has the name of another flag.
   """
-  out, args = list(argv[:1]), list(argv[1:])
-  while args:
-    arg = args.pop(0)
-    if arg == "--":
-      out += [arg] + args
-      break
-    if arg in _FLAGFILE:
-      if not args:
-        raise FlagfileError(f"{arg} needs a file name: {arg}=PATH")
-      path = args.pop(0)
-    elif arg.startswith(tuple(f + "=" for f in _FLAGFILE)):
-      path = arg.split("=", 1)[1]
-    else:
-      out.append(arg)
-      continue
-    out += _read_flagfile(os.path.expanduser(path.strip()), ())
-  return out
-
-
-def _read_flagfile(path: str, including: Tuple[str, ...]) -> List[str]:
-  """The arguments in flagfile `path`, nested flagfiles expanded.
-  `including`: the files that led here, outermost first."""
-  if not path:
-    return []  # As absl: an empty --flagfile= names nothing.
-  named = f"--flagfile={path}" + (f" (named in {including[-1]})"
-                                  if including else "")
-  if os.path.realpath(path) in map(os.path.realpath, including):
-    raise FlagfileError(f"{named} includes itself: "
-                        f"{' -> '.join(including + (path,))}; remove the "
-                        "loop")
-  try:
-    with open(path, "rb") as f:
-      data = f.read()
-  except OSError as e:
-    raise FlagfileError(f"cannot read {named}: {e.strerror}") from None
-  bom = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
-  try:
-    text = data[bom:].decode("utf-8")
-  except UnicodeDecodeError as e:
-    offset = bom + e.start
-    raise FlagfileError(
-        f"{named} is not UTF-8 text (byte 0x{data[offset]:02x} at offset "
-        f"{offset}); save it as UTF-8") from None
-  args = []
-  for line in text.replace("\r\n", "\n").replace("\r", "\n").split("\n"):
-    line = line.strip()
-    if not line or line.startswith(("#", "//")):
-      continue
-    if line in _FLAGFILE:
-      raise FlagfileError(f"{named} has a line {line} without a file name; "
-                          f"write {line}=PATH")
-    if line.startswith(tuple(f + "=" for f in _FLAGFILE)):
-      nested = os.path.expanduser(line.split("=", 1)[1].strip())
-      args += _read_flagfile(_beside(nested, path), including + (path,))
-    else:
-      args.append(line)
-  return args
-
-
-def _beside(nested: str, including: str) -> str:
-  """Where a nested flagfile is: next to the file that names it, else
-  (absl's rule) relative to the current directory."""
-  if not nested or os.path.isabs(nested):
-    return nested
-  beside = os.path.join(os.path.dirname(including), nested)
-  return nested if os.path.exists(nested) and not os.path.exists(
-      beside) else beside
-
-
-def requested_verbosity(argv) -> int:
-  """`--verbosity` (or `-v`) from a command line and its flagfiles, read
-  before the flags below exist; 0 if absent or unreadable (the real parse
-  reports the error)."""
-  values = flags.FlagValues()
-  flags.DEFINE_integer("verbosity", 0, "", short_name="v", flag_values=values)
-  try:
-    values(list(argv), known_only=True)
-  except (flags.Error, OSError, ValueError):
-    return 0
-  return values.verbosity
+  items = flagfiles.requested_user_modules(argv)
+  user_modules.load(items)
+  try:  # The first import generates every flag; later, the new ones.
+    importlib.import_module("experiments.flags").define_component_flags()
+  except ValueError as error:
+    raise user_modules.UserModuleError(
+        f"--user_modules={','.join(items)}: {error}") from None
 
 
 if __name__ == "__main__":
-  try:
-    _ARGV = expand_flagfiles(sys.argv)
-  except FlagfileError as error:
-    print(f"error: {error}", file=sys.stderr)
-    sys.exit(1)
-  process_exit.skip_final_gc()
-  console.start(requested_verbosity(_ARGV))  # Before TensorFlow starts.
+  _ARGV = before_the_flags(sys.argv)
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
-from absl import app
-
-import dist_loop
 from experiments import flags as run_flags
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
@@ -212,7 +136,8 @@ def main(argv) -> int:
       raise dist_loop.UserError(f"unexpected arguments: {' '.join(argv[1:])};"
                                 " every setting is a --flag")
     config = run_flags.to_config()
-    summary = dist_loop.run(config, cluster=run_flags.cluster())
+    summary = dist_loop.run(config, run_flags.to_flagfile(),
+                            cluster=run_flags.cluster())
   except dist_loop.UserError as e:
     print(f"error: {e}", file=sys.stderr)
     return e.exit_code
@@ -239,7 +164,7 @@ def _main_interruptible(argv) -> int:
 
 
 if __name__ == "__main__":
-  for name in run_flags.RUN_FLAGS:  # What --helpshort lists.
+  for name in ("user_modules",) + run_flags.RUN_FLAGS:  # --helpshort's.
     flags.declare_key_flag(name)
   flags.mark_flags_as_required(["workdir"])
   app.run(_main_interruptible, argv=_ARGV)

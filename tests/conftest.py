@@ -53,8 +53,8 @@ def pytest_configure(config):
   if getattr(config.option, "numprocesses", None) and not hasattr(
       config, "workerinput"):
     return
-  from dist_loop.runtime import tf_import  # pylint: disable=g-import-not-at-top
-  tf_import.import_tensorflow()
+  from experiments import startup  # pylint: disable=g-import-not-at-top
+  startup.import_tensorflow()  # As the entry points import it.
   from dist_loop.runtime import devices  # pylint: disable=g-import-not-at-top
   devices.configure(NUM_TEST_DEVICES, "cpu")
   # Tracing makes objects by the million, and each of the collector's full
@@ -112,7 +112,7 @@ def pytest_collection_modifyitems(items):
 
 def checkpoint_variables(config):
   """The trainable variables of a run's latest checkpoint, as numpy."""
-  from dist_loop.runtime import checkpoints  # pylint: disable=g-import-not-at-top
+  from dist_loop.control import weights  # pylint: disable=g-import-not-at-top
   return [np.asarray(v) for v in
           weights.load_model(config).trainable_variables]
 
@@ -164,10 +164,13 @@ def read_events(logdir):
 def run_main(*args):
   """`python -m experiments.train ARGS`, in this process.
 
-  The real flag parsing (with its parse-time checks) and `main`, with the
-  cluster read from this environment as a new process reads it; an absl
-  flag error is printed as absl's `app.run` prints it. Any other exception
-  propagates, as a traceback would.
+  What the entry point does before absl parses (flagfiles expanded, the
+  user's modules imported and their flags defined; TensorFlow is imported
+  already), the real flag parsing (with its parse-time checks) and `main`,
+  with the cluster read from this environment as a new process reads it;
+  an error before the flags or an absl flag error is printed as the entry
+  point or absl's `app.run` prints it. Any other exception propagates, as a
+  traceback would.
 
   Returns:
     (exit code, stdout, stderr); TensorFlow's and absl's logs are not in
@@ -176,14 +179,21 @@ def run_main(*args):
   from absl import flags  # pylint: disable=g-import-not-at-top
   from absl.testing import flagsaver  # pylint: disable=g-import-not-at-top
   from experiments import flags as run_flags  # pylint: disable=g-import-not-at-top
+  from experiments import flagfiles  # pylint: disable=g-import-not-at-top
   from experiments import train as entry  # pylint: disable=g-import-not-at-top
+  from dist_loop.core.errors import UserError  # pylint: disable=g-import-not-at-top
+  try:
+    argv = flagfiles.expand_flagfiles(["train", *args])
+    entry.load_user_code(argv)
+  except UserError as e:
+    return e.exit_code, "", f"error: {e}\n"
   out, err = io.StringIO(), io.StringIO()
   run_flags.use_cluster(None)  # Read this environment, as a new process.
   with flagsaver.flagsaver(), contextlib.redirect_stdout(out), \
       contextlib.redirect_stderr(err):
     flags.FLAGS.unparse_flags()
     try:
-      argv = flags.FLAGS(["train", *args])
+      argv = flags.FLAGS(argv)
     except flags.Error as e:
       print(f"FATAL Flags parsing error: {e}", file=sys.stderr)
       code = 1

@@ -158,7 +158,7 @@ def inputs(trainer, log, summaries, checkpointer, evaluator=None,
       evaluator=evaluator or FakeEvaluator(trainer, log),
       scope=trainer.scope, checkpointer=checkpointer,
       metric_names=METRICS, reported_names=REPORTED,
-      learning_rate=lambda: trainer.learning_rate, devices=trainer.devices,
+      learning_rate=lambda step: trainer.learning_rate, devices=trainer.devices,
       report=trainer.report if isinstance(trainer, Reporting) else None,
       summary_path=summary_path)
   fields.update(overrides)

@@ -26,7 +26,7 @@ def _log(summaries, previous=None, report=None,
          metric_names=("loss", "accuracy")):
   return actions.Log(10, 100, summaries, metric_names=metric_names,
                      reported_names=("loss", "accuracy", "perplexity"),
-                     learning_rate=lambda: 0.5, devices=["/device:CPU:0"],
+                     learning_rate=lambda step: step / 20, devices=["/device:CPU:0"],
                      report=report, previous=previous)
 
 
@@ -76,6 +76,7 @@ def test_a_log_line_with_no_update_applied_shows_no_loss(lines):
   assert summaries.scalar["train/loss_scale"] == {20: 2.0}
   # summary.json keeps the last applied value.
   assert log.summary()["train_loss"] == 2.0 and log.last_loss == 2.0
+  assert log.summary()["train_learning_rate"] == 1.0  # The rate at 20.
 
 
 def test_a_line_after_nothing_was_trained_is_not_written(lines):
@@ -109,11 +110,13 @@ def test_the_first_loop_is_one_step_and_its_loss_is_the_reference():
 def test_an_earlier_summary_gives_the_reference_and_the_last_values():
   log = _log(FakeSummaries([]), previous={
       "first_train_loss": 2.0, "train_loss": 50.0, "train_accuracy": 0.1,
-      "train_perplexity": "edited by hand", "eval_loss": 9.0})
+      "train_perplexity": "edited by hand", "eval_loss": 9.0,
+      "train_learning_rate": 0.25})
   log.start(100)
   assert log.stops(100) == 110  # No one-step first loop: it has one.
   assert log.summary() == {"train_loss": 50.0, "train_accuracy": 0.1,
-                           "train_perplexity": None, "first_train_loss": 2.0}
+                           "train_perplexity": None, "first_train_loss": 2.0,
+                           "train_learning_rate": 0.25}
   assert log.last_loss == 50.0
 
 

@@ -15,6 +15,7 @@ from conftest import read_events
 from helpers import load_data
 from dist_loop import train
 from dist_loop import UserError, configure, models
+from dist_loop.control import weights
 from dist_loop.control.evaluation import Evaluator
 from dist_loop.core.errors import Interrupted
 from dist_loop.data import train_dataset_fn

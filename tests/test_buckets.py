@@ -137,7 +137,7 @@ def test_a_compressor_that_cannot_take_buckets_says_so(small_config,
   # At the default it runs, with its own collectives.
   trainer = _trainer(small_config, num_devices=2,
                      allreduce_compression=compression)
-  assert trainer.compressor.communication.bytes_per_pack == 0
+  assert trainer.reduction.compressor.communication.bytes_per_pack == 0
   trainer.close()
 
 
@@ -145,6 +145,6 @@ def test_the_default_bucket_reaches_the_collectives(small_config):
   trainer = _trainer(small_config, num_devices=2)
   default_mb = trainer.options.allreduce_bucket_mb
   assert default_mb > 0
-  assert (trainer.compressor.communication.bytes_per_pack
+  assert (trainer.reduction.compressor.communication.bytes_per_pack
           == int(default_mb * 2**20))
   trainer.close()

@@ -13,6 +13,7 @@ from conftest import REPO
 from helpers import load_data
 from dist_loop import configure
 from dist_loop import train
+from dist_loop.control import weights
 from dist_loop.core.config import parse_flagfile
 from dist_loop.core.errors import UserError
 from dist_loop.parallel.modes import build_trainer

@@ -9,11 +9,12 @@ import re
 import pytest
 
 from conftest import run_main
+import dist_loop
 from dist_loop import configure
 from dist_loop.core.errors import UserError
 from dist_loop.runtime import cluster
 
-LIBRARY = pathlib.Path(cluster.__file__).parent
+LIBRARY = pathlib.Path(dist_loop.__file__).parent
 
 
 def _tf_config(spec, task_type, index):
@@ -198,7 +199,7 @@ def test_only_the_entry_point_reads_the_cluster_from_the_environment():
                        r"environ[^\n]*TF_CONFIG", text)
     if calls:
       readers[str(path.relative_to(LIBRARY))] = calls
-  assert set(readers) == {"cluster.py", "train.py"}, readers
+  assert set(readers) == {"runtime/cluster.py", "train.py"}, readers
   assert readers["train.py"] == ["current()"]
 
 

@@ -4,7 +4,11 @@ Two finished runs (one device, two devices), read in this process, then
 by `python -m tools.compare` as a user runs it, in a new process at the
 default verbosity (its own lines only) and at --verbosity=2 (TensorFlow's
 lines too): tests/test_quiet_tools.py's check of tools.bench, on tools.compare.
+Bad inputs: a summary.json that a run does not write, an output path in a
+missing directory, a diverged run; and tools.bench's empty suite list.
 """
+
+import json
 
 import pytest
 import tensorflow as tf
@@ -91,3 +95,61 @@ def test_curves_of_a_workdir_from_before_the_train_and_eval_runs(tmp_path):
 def test_a_directory_that_is_not_a_run_is_named(tmp_path):
   with pytest.raises(compare.RunError, match="no summary.json"):
     compare.load_run(str(tmp_path))
+
+
+def _workdir(tmp_path, name, text):
+  """A workdir whose summary.json holds `text` (no curves)."""
+  workdir = tmp_path / name
+  workdir.mkdir()
+  (workdir / "summary.json").write_text(text)
+  return str(workdir)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{not json", r"summary.json is not readable JSON \(Expecting"),
+    ("[1, 2]", r"summary.json holds a JSON list, not an object"),
+    ('{"final_step": "banana"}',
+     r"summary.json: final_step is 'banana', not a number"),
+    ('{"train_loss": true}', r"train_loss is True, not a number"),
+])
+def test_a_summary_that_a_run_does_not_write_is_one_error(tmp_path, text,
+                                                          message):
+  with pytest.raises(compare.RunError, match=message) as error:
+    compare.load_run(_workdir(tmp_path, "run", text))
+  assert "\n" not in str(error.value)
+  assert str(error.value).endswith("rerun that run to rewrite it, or leave "
+                                   "it out")
+
+
+def test_a_diverged_run_is_marked_with_its_reason(tmp_path):
+  runs = [compare.load_run(_workdir(tmp_path, name, json.dumps(
+      {"mode": "sync", "final_step": 10, "diverged": diverged})))
+          for name, diverged in (("ok", None), ("bad", "the loss rose"))]
+  rows = compare.table(runs).splitlines()[2:]
+  assert rows[0].startswith("| ok | sync |")
+  assert rows[1].startswith("| bad (diverged) | sync |")
+  assert compare.notes(runs) == ["bad diverged: the loss rose"]
+
+
+def test_an_output_in_a_missing_directory_is_refused_before_the_table(
+    runs, tmp_path):
+  """As a user runs it: exit 1, one line, no table and no file."""
+  result = run_tool("tools.compare", runs[0].workdir,
+                    f"--plot={tmp_path / 'missing_dir' / 'x.png'}",
+                    f"--json={tmp_path / 'out.json'}")
+  assert result.returncode == 1
+  assert result.stdout == ""
+  assert result.stderr == (f"error: --plot={tmp_path}/missing_dir/x.png: the "
+                           f"directory {tmp_path}/missing_dir does not exist; "
+                           "create it or choose another path\n")
+  assert not (tmp_path / "out.json").exists()
+
+
+def test_bench_refuses_an_empty_suite_list(tmp_path):
+  """`--suite=` names no suite: refused when the flags are parsed, before
+  anything runs or any file is written."""
+  out = tmp_path / "bench.json"
+  result = run_tool("tools.bench", "--suite=", f"--out={out}", timeout=120)
+  assert result.returncode != 0, result.stdout
+  assert "no suite" in result.stderr and "Traceback" not in result.stderr
+  assert "wrote" not in result.stdout and not out.exists()

@@ -204,7 +204,7 @@ def test_warm_up_is_exact_then_a_resume_equals_the_uninterrupted_run(
   whole.train(3)
   checkpoints.Checkpointer(whole.checkpoint_items(), config.workdir,
                            1).save(9)
-  residual = whole.compression_state.variables["residual"][0]
+  residual = whole.reduction.compression_state.variables["residual"][0]
   assert np.abs(np.asarray(residual)).max() > 1e-3  # Saved far from 0.
   whole.train(3)
   assert max_diff(variables(whole), exact["float32"]) > 1e-3

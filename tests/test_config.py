@@ -7,11 +7,12 @@ import pytest
 
 from dist_loop import configure
 from dist_loop.core import options as options_lib
-from dist_loop.core.config import Config, check_divisible, parse_flagfile
+from dist_loop.runtime.cluster import Cluster
+from dist_loop.core.config import (COMPONENT_FIELDS, Config, check_divisible,
+                              parse_flagfile)
 from dist_loop.core.errors import UserError
 from dist_loop.parallel.modes.pipeline.options import PipelineOptions
 from dist_loop.parallel.modes.sync.options import SyncOptions
-from dist_loop.runtime.cluster import Cluster
 
 ONE_PROCESS = Cluster()
 TWO_WORKERS = Cluster({"worker": ["a:1", "b:2"]}, "worker", 0)
@@ -64,7 +65,7 @@ def test_every_run_wide_field_is_declared_as_a_flag():
   specs = options_lib.specs(Config)
   assert [s.name for s in specs] == [
       f.name for f in dataclasses.fields(Config)
-      if f.name not in ("mode_options", "model_options", "dataset_options")]
+      if f.name not in COMPONENT_FIELDS]
   for spec in specs:
     assert spec.help and spec.group, spec.name
   assert options_lib.layout_fields(Config(workdir="w")) == (
@@ -183,4 +184,4 @@ def test_owners_lists_every_component_that_declares_an_option():
   assert sorted(owners["max_staleness"]) == ["--mode=async", "--mode=ps"]
   assert set(configure.flat_defaults()) == {
       f.name for f in dataclasses.fields(Config)} - {
-          "workdir", "mode_options", "model_options", "dataset_options"}
+          "workdir", *COMPONENT_FIELDS}

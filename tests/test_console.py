@@ -16,9 +16,9 @@ from absl import logging as absl_logging
 
 from conftest import REPO
 from dist_loop.runtime import console
-from experiments import train as entry
+from experiments import flagfiles
 
-OURS = os.path.join(REPO, "dist_loop", "controller.py")
+OURS = os.path.join(REPO, "dist_loop", "control", "controller.py")
 THEIRS = os.path.join(os.path.dirname(tf.__file__), "python", "checkpoint",
                       "functional_saver.py")
 
@@ -51,6 +51,63 @@ def test_whose_records_show_at_each_verbosity(verbosity, level, path, shown):
 def test_the_tensorflow_logger_is_never_ours():
   record = _record(logging.INFO, OURS, name="tensorflow")
   assert not console.QuietFilter(0).filter(record)
+
+
+@pytest.fixture(name="user_file")
+def _user_file(tmp_path):
+  """A user's module, outside the repository and every library."""
+  path = tmp_path / "my_research" / "model.py"
+  path.parent.mkdir()
+  path.write_text("")
+  return str(path)
+
+
+@pytest.mark.parametrize("logger, level, shown", [
+    ("absl", logging.INFO, True),       # absl.logging.info in the user's file.
+    ("absl", logging.WARNING, True),
+    ("root", logging.INFO, True),       # logging.info.
+    ("my_research.model", logging.INFO, True),  # logging.getLogger(__name__).
+    ("my_research.model", logging.DEBUG, False),
+    ("tensorflow", logging.WARNING, False),     # By name, wherever it is.
+    ("keras", logging.WARNING, False),
+    ("keras.src.saving", logging.ERROR, False),
+    ("tensorboard", logging.WARNING, False),
+    ("py.warnings", logging.WARNING, False),    # Captured Python warnings.
+])
+def test_a_users_module_logs_like_the_library(user_file, logger, level,
+                                              shown):
+  """At the default verbosity, whatever directory it is in; the
+  libraries by their loggers' names."""
+  record = _record(level, user_file, name=logger)
+  assert console.QuietFilter(0).filter(record) == shown
+  assert console.QuietFilter(1).filter(record)  # Everything at 1 but debug.
+
+
+def test_a_real_absl_record_of_a_users_module_passes(user_file):
+  """Logged through absl from a function of the user's file: the record
+  as absl makes it (its logger, its file) passes the console's filter at
+  the default verbosity."""
+  with open(user_file, "w", encoding="utf-8") as f:
+    f.write("from absl import logging\n"
+            "def say():\n  logging.info('hello from my model')\n")
+  namespace = {}
+  with open(user_file, encoding="utf-8") as f:
+    exec(compile(f.read(), user_file, "exec"), namespace)  # pylint: disable=exec-used
+  records = []
+  catch = logging.Handler()
+  catch.emit = records.append
+  absl_logger = logging.getLogger("absl")
+  absl_logger.addHandler(catch)
+  absl_level = absl_logging.get_verbosity()
+  absl_logging.set_verbosity(absl_logging.INFO)
+  try:
+    namespace["say"]()
+  finally:
+    absl_logging.set_verbosity(absl_level)
+    absl_logger.removeHandler(catch)
+  (record,) = records
+  assert (record.name, record.pathname) == ("absl", user_file)
+  assert console.QuietFilter(0).filter(record)
 
 
 @pytest.mark.parametrize("line, verbosity, kept", [
@@ -104,13 +161,14 @@ def test_the_native_log_level(monkeypatch, verbosity, environment, level):
     (["train", "--flagfile=/no/such/file", "--verbosity=2"], 0),
 ])
 def test_the_verbosity_is_read_before_tensorflow_starts(argv, expected):
-  assert entry.requested_verbosity(argv) == expected
+  assert flagfiles.requested_verbosity(argv) == expected
 
 
 def test_the_verbosity_in_a_flagfile(tmp_path):
   flagfile = tmp_path / "run.flags"
   flagfile.write_text("--mode=sync\n--verbosity=1\n")
-  assert entry.requested_verbosity(["train", f"--flagfile={flagfile}"]) == 1
+  assert flagfiles.requested_verbosity(
+      ["train", f"--flagfile={flagfile}"]) == 1
 
 
 @pytest.fixture

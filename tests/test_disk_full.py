@@ -187,7 +187,7 @@ def test_a_refused_run_on_a_full_disk_creates_no_workdir(disk):
   assert lines == [
       f"error: cannot write this run's PID into the lock file {workdir}/lock "
       f"({ENOSPC}); nothing was written, and there is no checkpoint yet. Free "
-      "some space (or fix the permissions), then rerun the same command"]
+      "some space, then rerun the same command"]
   assert not os.path.exists(workdir)
 
 

@@ -22,7 +22,7 @@ from dist_loop.parallel.modes.asynchronous.applier import Applier
 from dist_loop.parallel.modes.asynchronous.worker import Push
 from dist_loop.parallel.modes.ps import stats, update
 from dist_loop.training import optim
-from experiments import extensions  # noqa: F401  (registers single_device)
+from experiments.extensions import single_device  # noqa: F401  (registers it)
 from helpers import make_trainer
 
 

@@ -1,9 +1,10 @@
 """The command line: every flagfile runs, and bad input fails at the door.
 
-The entry point's flagfile reading, flag parsing and `main` run in this
-process (`run_command`, through `conftest.run_main`); the tests of what
-only a real process shows (Ctrl-C) start one. Hostile flag values and
-flagfiles: tests/test_flag_fuzz.py.
+The entry point's flagfile reading, user modules, flag parsing and `main`
+run in this process (`conftest.run_main`); the tests of what only a real
+process shows (Ctrl-C) start one. Hostile flag values:
+tests/test_flag_fuzz.py; flagfiles: tests/test_flagfiles.py; a user's
+module from outside the repository: tests/test_user_modules.py.
 
 Every flagfile is parsed into its Config and validated. These run end to
 end, through `main`, from another directory than the repository's:
@@ -27,7 +28,6 @@ test_transformer_modes.py. ps.flags is checked against the cluster its
 launcher makes (tests/test_ps.py runs that mode's clusters).
 """
 import dataclasses
-import errno
 import glob
 import hashlib
 import math
@@ -50,6 +50,7 @@ from dist_loop.core import options as options_lib
 from dist_loop.data import shard_writer
 from dist_loop.runtime import cluster as cluster_lib
 from experiments import flags as run_flags
+from experiments import flagfiles
 from experiments import train as entry
 from tools import local_cluster
 
@@ -108,22 +109,14 @@ def launcher_args(flagfile):
   return first.split(":", 1)[1].split()
 
 
-def run_command(*args):
-  """`python -m experiments.train ARGS` in this process, as its `__main__`
-  runs it: flagfiles read, then `conftest.run_main`."""
-  try:
-    argv = entry.expand_flagfiles(["train", *args])
-  except entry.FlagfileError as e:
-    return 1, "", f"error: {e}\n"
-  return run_main(*argv[1:])
-
-
 def _parse_only(*args):
-  """The entry point's flagfile reading, flag parsing and checks, without
-  running."""
+  """The entry point's flagfile reading, user modules, flag parsing and
+  checks, without running."""
+  argv = flagfiles.expand_flagfiles(["train", *args])
+  entry.load_user_code(argv)
   with flagsaver.flagsaver():
     flags.FLAGS.unparse_flags()
-    flags.FLAGS(entry.expand_flagfiles(["train", *args]))
+    flags.FLAGS(argv)
     return run_flags.to_config()
 
 
@@ -155,7 +148,7 @@ def test_a_flagfile_runs_end_to_end(flagfile, tmp_path, monkeypatch):
   workdir = tmp_path / "run"
   args = _short_args(flagfile, workdir)
   args += [*IN_PROCESS, *smaller(_parse_only(*args))]
-  code, out, err = run_command(*args)
+  code, out, err = run_main(*args)
   assert code == 0, err
   assert "done: step 2" in out
   assert f"tensorboard --logdir {workdir}" in out
@@ -170,7 +163,7 @@ def test_a_flagfile_runs_end_to_end(flagfile, tmp_path, monkeypatch):
     rerun = f"--flagfile={workdir / 'flags.txt'}"
     assert _parse_only(rerun) == _parse_only(*args)
     saved = sorted(os.listdir(workdir / "checkpoints"))
-    code, out, err = run_command(rerun)
+    code, out, err = run_main(rerun)
     assert code == 0, err
     assert "done: step 2" in out
     assert sorted(os.listdir(workdir / "checkpoints")) == saved
@@ -210,7 +203,7 @@ def test_every_other_flagfile_parses_and_builds_its_trainer(
   assert not (tmp_path / "run").exists()
 
 
-COMPONENT_FIELDS = ("mode_options", "model_options", "dataset_options")
+COMPONENT_FIELDS = dist_loop.core.config.COMPONENT_FIELDS
 FLAG_TYPES = {bool: "bool", int: "int", float: "float", str: "string"}
 
 
@@ -254,7 +247,8 @@ ASKED_BOUNDS = {
     "train_steps": (1, 2**31 - 1),
     "global_batch_size": (1, 2**20),
     "eval_batch_size": (1, 2**20),
-    "grad_accum_steps": (1, 2**31 - 1),
+    # A step holds at most 2**20 examples: this bound with a batch of 1.
+    "grad_accum_steps": (1, 2**20),
     "max_loss": (0.0, None),
 }
 
@@ -285,8 +279,10 @@ def _bound_cases():
                          ids=lambda v: str(v))
 def test_a_value_just_outside_a_bound_is_refused_at_parse_time(
     name, refused, accepted, bound):
-  """In one line that names the bound; the value at the bound passes."""
-  base = ["--dataset=synthetic", "--model=mlp", "--workdir=/tmp/unused"]
+  """In one line that names the bound; the value at the bound passes (with
+  a batch of 1, for the bounds that depend on the batch)."""
+  base = ["--dataset=synthetic", "--model=mlp", "--workdir=/tmp/unused",
+          "--global_batch_size=1"]
   with pytest.raises(flags.IllegalFlagValueError) as refusal:
     with flagsaver.flagsaver():
       flags.FLAGS.unparse_flags()
@@ -397,7 +393,8 @@ def _fake_run(summary=None, error=None):
   `summary` or raises `error`."""
   calls = []
 
-  def run(config, cluster=None):
+  def run(config, flags_text=None, cluster=None):
+    del flags_text
     calls.append((config, cluster))
     if error is not None:
       raise error
@@ -494,50 +491,66 @@ def _interrupt(proc):
     raise
 
 
-def _waiting_on_a_pipe(tmp_path, ignore_ctrl_c=False):
-  """The command, started with a pipe as its flagfile and waiting to read
-  it (the first moment it waits), and the pipe's writing end."""
-  fifo = str(tmp_path / "flags.fifo")
-  os.mkfifo(fifo)
-  proc = _start(f"--flagfile={fifo}", f"--workdir={tmp_path / 'run'}",
-                ignore_ctrl_c=ignore_ctrl_c)
-  writer = []
+# A user's module that waits, while it is imported, for the test to say go
+# (a bounded wait), then registers a model with an option of its own.
+WAITING_MODULE = """
+import dataclasses
+import os
+import time
 
-  def reader_opened():
-    try:  # Succeeds once the command has the pipe open to read.
-      writer.append(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
-    except OSError as e:
-      assert e.errno == errno.ENXIO, e
-    return bool(writer)
+import keras
+from dist_loop.core.options import option
+from dist_loop.models import MODELS
 
-  _wait_for(reader_opened, proc, "opened its flagfile")
-  return proc, writer[0]
+HERE = os.path.dirname(os.path.abspath(__file__))
+open(os.path.join(HERE, "importing"), "w").close()
+deadline = time.monotonic() + 60
+while not os.path.exists(os.path.join(HERE, "go")):
+  if time.monotonic() > deadline:
+    raise TimeoutError("the test never said go")
+  time.sleep(0.01)
 
 
-def test_ctrl_c_while_reading_a_flagfile_is_one_line_and_130(tmp_path):
-  proc, writer = _waiting_on_a_pipe(tmp_path)
+@dataclasses.dataclass(frozen=True)
+class Options:
+  waiting_width: int = option(8, "Hidden units of the waiting model.",
+                              lower=1)
+
+
+@MODELS.register("waiting_mlp")
+def waiting_mlp(input_shape, num_classes, options):
+  del input_shape
+  return [keras.layers.Flatten(),
+          keras.layers.Dense(options.waiting_width, activation="relu"),
+          keras.layers.Dense(num_classes)]
+
+
+waiting_mlp.Options = Options
+"""
+
+
+def test_ctrl_c_stays_ignored_and_a_users_model_shows_in_helpfull(tmp_path):
+  """As a script's background job starts it: Ctrl-C while a user module
+  (outside the repository) is imported does nothing; then `--helpfull`
+  lists the module's model among --model's choices and its option under
+  its name. One process for both checks."""
+  outside = tmp_path / "outside"
+  outside.mkdir()
+  (outside / "waiting.py").write_text(WAITING_MODULE)
+  proc = _start(f"--user_modules={outside / 'waiting.py'}", "--helpfull",
+                ignore_ctrl_c=True)
   try:
-    out, err = _interrupt(proc)
-  finally:
-    os.close(writer)
-  assert (proc.returncode, out) == (130, "")
-  assert err == ("error: interrupted (Ctrl-C) during start-up; nothing was "
-                 "written\n")
-  assert not (tmp_path / "run").exists()
-
-
-def test_ctrl_c_stays_ignored_where_it_was_at_start(tmp_path):
-  """Then the command reads its flagfile on: here one that is not UTF-8,
-  refused in one line (before TensorFlow loads)."""
-  proc, writer = _waiting_on_a_pipe(tmp_path, ignore_ctrl_c=True)
-  try:
+    _wait_for((outside / "importing").exists, proc, "imported the module")
     proc.send_signal(signal.SIGINT)
-    os.write(writer, b"--seed=1\n\xff\n")
   finally:
-    os.close(writer)
-  _, err = proc.communicate(timeout=120)
-  assert proc.returncode == 1, err
-  assert "is not UTF-8 text (byte 0xff at offset 9)" in err
+    (outside / "go").touch()
+  out, err = proc.communicate(timeout=120)
+  assert (proc.returncode, err) == (1, "")  # absl's exit after its help.
+  assert "options of --model=waiting_mlp:" in out
+  assert "--waiting_width: Hidden units of the waiting model." in out
+  model_help = out[out.index("  --model: "):].split("\n  --", 1)[0]
+  assert "waiting_mlp" in model_help.split("(registered:", 1)[1], model_help
+  assert "--user_modules: Your own modules" in out
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"),

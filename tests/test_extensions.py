@@ -1,5 +1,6 @@
 """The worked examples of experiments/extensions: each plugs in by
-registration alone, and behaves as its docstring says."""
+registration alone (imported here; a run loads them with --user_modules),
+and behaves as its docstring says."""
 
 import collections
 
@@ -109,10 +110,11 @@ def test_async_consults_the_exponential_policy_once_per_applied_update(
 def _parse(*argv):
   """The entry point's real flag parsing, in this process.
 
-  The entry point imports the extensions before it defines the flags
-  (tests/test_entry_point.py runs single_device.flags through it); here
-  another test may have imported the flags first, so the extensions' flags
-  are defined now, as `to_config` would.
+  The entry point imports the modules of `--user_modules` before it
+  defines the flags (tests/test_entry_point.py runs single_device.flags
+  through it); here the flags were made before this file imported the
+  extensions, so their flags are defined now, as the entry point's
+  `load_user_code` does.
   """
   run_flags.define_component_flags()
   flags.FLAGS(["train", "--workdir=/tmp/unused", *argv])

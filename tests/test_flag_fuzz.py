@@ -11,39 +11,40 @@ absl's "FATAL Flags parsing error" (its second line, the pointer to
 --helpfull, is printed by absl's `app.run` only) or our "error:". The runs
 go through the entry point's flag parsing and `main` in this process
 (`conftest.run_main`): an exception other than the errors a user is shown
-fails the test with its traceback. How many pass every check (`validates`)
-is fixed by the seed and checked exactly; every other one is refused by the
-entry point in one line. Of those that pass, the few that between them give
-every valid value of every fuzzed flag (`_covering`: the fewest that do)
-train, each with the exit code the seed fixes (trained, or diverged in one line); the rest are
-checked as far as the checks go (training each costs seconds). The first
-combination that passes every check is also run as a new process, end to
-end, in float16, where it also shows that a run prints its own lines only
-(one process for both checks).
+fails the test with its traceback. The rules: a set with an invalid value
+never passes the checks (`validates`), and each one that does not pass is
+refused by the entry point in one line, before it makes a workdir. Of those
+that pass, the few that between them give every valid value of every
+fuzzed flag (`_covering`: the fewest that do) train: each exits 0, except
+that a learning rate of 1e9 must not (it diverges, exit 3, or stops at a
+non-finite step, in one line); the rest are checked as far as the checks
+go (training each costs seconds). The first combination that passes every
+check is also run as a new process, end to end, in float16, where it also
+shows that a run prints its own lines only (one process for both checks).
 
-Flagfiles, read by the entry point before absl parses
-(`experiments.train.expand_flagfiles`): nesting next to the including file,
-a byte-order mark, text that is not UTF-8, loops, and seeded random
-flagfiles made of such lines, each parsed or refused in one line.
+Every numeric option at its bounds (`test_every_numeric_option_*`): its
+bound is accepted (or refused in one line by a rule that names it, such as
+the step's examples), one past it is refused naming it, and a run made of
+the largest accepted values trains.
+
+Hostile flagfiles: tests/test_flagfiles.py.
 """
 
 import itertools
-import os
 import random
 import re
-import subprocess
-import sys
 
 import pytest
 from absl import flags
 from absl.testing import flagsaver
 
 from conftest import REPO, run_main, run_train
-from dist_loop import configure
+from dist_loop import configure, data, models
+from dist_loop.core import config as config_lib
+from dist_loop.core import options as options_lib
 from dist_loop.core.errors import UserError
 from dist_loop.runtime.cluster import Cluster
 from experiments import flags as run_flags
-from experiments import train as entry
 
 # flag -> (valid arguments, invalid arguments); None leaves the flag out.
 CHOICES = {
@@ -73,6 +74,8 @@ CHOICES = {
     "--straggler": ([None, None, None, "0:1.5"],
                     ["0:1e300", "0:inf", "0:0.5"]),
     "--allow_config_change": ([None, "--allow_config_change"], ["--allow"]),
+    "--grad_accum_steps": ([None, None, "2"], ["2147483647", "0"]),
+    "--diverged_loss_ratio": ([None, None, "0", "1.5"], ["1e-9", "-1"]),
 }
 INVALID_PROBABILITY = 0.06
 NUM_RUNS = 100
@@ -89,17 +92,20 @@ def _argument(flag, value):
 
 
 def _combinations():
+  """(arguments, whether one of them is invalid), NUM_RUNS times."""
   rng = random.Random(SEED)
   for _ in range(NUM_RUNS):
-    args = []
+    args, invalid = [], False
     for flag, (good, bad) in CHOICES.items():
-      value = rng.choice(bad if rng.random() < INVALID_PROBABILITY else good)
+      wrong = rng.random() < INVALID_PROBABILITY
+      value = rng.choice(bad if wrong else good)
+      invalid |= wrong
       if _argument(flag, value) is not None:
         args.append(_argument(flag, value))
-    yield args
+    yield args, invalid
 
 
-COMBINATIONS = list(_combinations())
+COMBINATIONS, HAS_INVALID = (list(x) for x in zip(*_combinations()))
 
 
 def check(code, out, err):
@@ -142,17 +148,17 @@ def _valid():
   return [i for i, args in enumerate(COMBINATIONS) if validates(args)]
 
 
-# How many combinations pass every check: the seed fixes it. A count that
-# moves means validation now refuses good runs or lets bad ones through.
-NUM_VALID = 15
-
-
 def test_random_flags_pass_the_checks_or_are_refused_in_one_line(tmp_path):
-  """Each combination that does not pass the checks is refused by the
-  entry point, in one line, before it trains (the checks are the
-  entry point's: no refused run gets a workdir)."""
+  """A set with an invalid value never passes the checks; each combination
+  that does not pass them is refused by the entry point, in one line,
+  before it trains (the checks are the entry point's: no refused run gets
+  a workdir). The seed's sets give all three outcomes: valid, invalid, and
+  valid values that clash."""
   valid = _valid()
-  assert len(valid) == NUM_VALID, valid
+  assert not [i for i in valid if HAS_INVALID[i]], valid
+  clashes = [i for i in range(NUM_RUNS)
+             if i not in valid and not HAS_INVALID[i]]
+  assert len(valid) >= 5 and len(clashes) >= 5 and sum(HAS_INVALID) >= 5
   for index in sorted(set(range(NUM_RUNS)) - set(valid)):
     assert _run(index, tmp_path) != 0, COMBINATIONS[index]
     assert not (tmp_path / f"run{index}").exists()
@@ -170,25 +176,141 @@ def _covering(indices):
   raise AssertionError("unreachable: all of them give every argument")
 
 
-# The exit code of each of them, fixed by the seed: 0 trained, 3 diverged
-# (a learning rate of 1e9). A code that moves means a valid run now fails
-# while running (in one line, but of the wrong kind, which `check` does not
-# tell apart), or a diverging one goes unnoticed.
-EXIT_CODES = {7: 0, 26: 3, 29: 3, 62: 0, 70: 0, 82: 0, 88: 0}
 NUM_GROUPS = 2  # The trained ones, in two tests of a few runs each.
+# The one valid value that makes a run fail while it runs.
+DIVERGING = "--learning_rate=1e9"
 
 
 @pytest.mark.parametrize("group", range(NUM_GROUPS))
 def test_random_flags_that_pass_the_checks_train_or_fail_in_one_line(
     group, tmp_path):
   """Those that cover every valid value (`_covering`), run through the
-  entry point: each trains, or fails while running in one line, exactly as
-  when the codes were written."""
-  trained = _covering(_valid())
-  assert trained == sorted(EXIT_CODES)
-  indices = trained[group::NUM_GROUPS]
-  assert {i: _run(i, tmp_path) for i in indices} == {
-      i: EXIT_CODES[i] for i in indices}
+  entry point: each trains (exit 0), except that a learning rate of 1e9
+  fails while running, in one line (diverged: 3; a non-finite step: 1),
+  never unnoticed."""
+  indices = _covering(_valid())[group::NUM_GROUPS]
+  for i in indices:
+    code = _run(i, tmp_path)
+    if DIVERGING in COMBINATIONS[i]:
+      assert code in (1, 3), COMBINATIONS[i]
+    else:
+      assert code == 0, COMBINATIONS[i]
+
+
+def test_the_covering_runs_include_a_diverging_one():
+  assert any(DIVERGING in COMBINATIONS[i] for i in _covering(_valid()))
+
+
+# -- every numeric option at its bounds --
+
+
+def _numeric_options():
+  """(flag, spec, the component flags that make it apply) for every
+  numeric option with a declared bound, run-wide or of a component."""
+  for spec in options_lib.specs(config_lib.Config):
+    if _bounded(spec):
+      yield spec, {}
+  for selector, registry, _ in configure.COMPONENTS:
+    for name in registry.names():
+      cls = configure.options_class(registry, name)
+      for spec in options_lib.specs(cls) if cls else ():
+        if _bounded(spec):
+          yield spec, _fitting(selector, name)
+
+
+def _bounded(spec):
+  return spec.type in (int, float) and (
+      spec.lower, spec.upper, spec.above) != (None, None, None)
+
+
+# What a mode needs besides its defaults to be valid.
+MODE_NEEDS = {"pipeline": {"num_devices": 2},
+              "ps": {"cluster": Cluster({"chief": ["h:1"], "worker": ["h:2"],
+                                         "ps": ["h:3"]}, "chief", 0)}}
+
+
+def _fitting(selector, name):
+  """{selector: name} and a model and dataset that fit it."""
+  values = {selector: name, **MODE_NEEDS.get(name, {})}
+  if selector == "model":
+    values["dataset"] = next(d for d in data.DATASETS.names()
+                             if configure.fits(name, d) and d != "text")
+  elif selector == "dataset":
+    values["model"] = next(m for m in models.MODELS.names()
+                           if configure.fits(m, name))
+  if values.get("dataset") == "text":
+    values["data_file"] = "corpus.txt"
+  return values
+
+
+BOUNDED = [pytest.param(spec, base, id=spec.name)
+           for spec, base in _numeric_options()]
+
+
+def _verdict(cluster=Cluster(), **values):
+  """None if these values make a valid Config, else the error's line."""
+  fields = dict(workdir="/tmp/unused", dataset="synthetic", model="mlp")
+  fields.update(values)
+  try:
+    configure.validate(configure.make_config(**fields), cluster)
+  except UserError as e:
+    return str(e)
+  return None
+
+
+@pytest.mark.parametrize("spec,base", BOUNDED)
+def test_every_numeric_option_is_refused_past_its_bounds_naming_it(
+    spec, base):
+  assert _verdict(**base) is None  # The base alone is valid.
+  for bound, past in ((spec.lower, -1), (spec.upper, 1)):
+    if bound is None:
+      continue
+    at = spec.type(bound)
+    error = _verdict(**base, **{spec.name: at})
+    # At its bound: valid, or refused by a rule between flags naming it.
+    assert error is None or f"--{spec.name}=" in error, error
+    beyond = at + past if spec.type is int else at * (2.0 ** past) - (
+        past < 0 and at == 0)
+    error = _verdict(**base, **{spec.name: spec.type(beyond)})
+    assert error and f"--{spec.name}" in error and "\n" not in error, (
+        spec.name, beyond, error)
+  if spec.above is not None:
+    error = _verdict(**base, **{spec.name: spec.type(spec.above)})
+    assert error and f"--{spec.name}" in error, error
+
+
+def test_grad_accum_steps_is_bounded_by_the_batch_in_one_line(tmp_path):
+  """The step's input holds every micro-batch: the largest accepted value
+  depends on the batch, and one more is refused before a workdir exists."""
+  for batch in (2, 64, 1000):
+    largest = config_lib.MAX_BATCH // batch
+    assert _verdict(global_batch_size=batch, grad_accum_steps=largest) is None
+    error = _verdict(global_batch_size=batch, grad_accum_steps=largest + 1)
+    assert f"use --grad_accum_steps={largest} or fewer" in error
+  code, out, err = run_main(f"--workdir={tmp_path / 'run'}",
+                            "--grad_accum_steps=2147483647")
+  assert code != 0 and "Traceback" not in out + err
+  check(code, out, err)
+  assert not (tmp_path / "run").exists()
+
+
+def test_a_run_of_the_largest_accepted_values_trains(tmp_path):
+  """The upper bound of every option the loop counts with, together, and
+  the largest number of micro-batches a batch of 2**13 takes."""
+  batch = 2**13
+  largest = {spec.name: spec.type(spec.upper)
+             for spec, base in _numeric_options()
+             if not base and spec.upper is not None and spec.name not in (
+                 "train_steps", "global_batch_size", "eval_batch_size",
+                 "intra_op_threads", "inter_op_threads", "grad_accum_steps")}
+  args = [f"--{k}={v}" for k, v in sorted(largest.items())]
+  code, out, err = run_main(
+      f"--workdir={tmp_path / 'run'}", "--dataset=synthetic", "--model=mlp",
+      "--train_steps=1", f"--global_batch_size={batch}",
+      f"--grad_accum_steps={config_lib.MAX_BATCH // batch}",
+      "--optimizer=sgd", *args)
+  assert code == 0, err
+  assert "done: step 1" in out
 
 
 # What a run of ours prints to stderr: the time, then an optional kind.
@@ -202,12 +324,13 @@ def test_a_run_that_trains_does_so_as_a_new_process_with_its_own_lines(
   AVX-512), with TF_CPP_MIN_LOG_LEVEL=2 in the environment (run_train's),
   which --verbosity overrides.
 
-  The command: the first combination that passes every check, end to
+  The command: the first combination that passes every check (and does
+  not diverge by design: `DIVERGING`), end to
   end, with --precision=mixed_float16 after it (its own precision, if
   any, is bfloat16: the native line is float16's only). One process for both
   checks: it trains, and prints its own lines only
   (tests/test_console.py checks the terminal in this process)."""
-  args = next(a for a in COMBINATIONS if validates(a))
+  args = next(a for a in COMBINATIONS if validates(a) and DIVERGING not in a)
   result = run_train(f"--workdir={tmp_path / 'run'}", *SHORT_RUN, *args,
                      "--precision=mixed_float16", timeout=180)
   check(result.returncode, result.stdout,
@@ -224,191 +347,12 @@ def test_a_run_that_trains_does_so_as_a_new_process_with_its_own_lines(
       "progress": r"^step [12]/2  loss \S+  acc \S+  \d+ ex/s  "
                   r"eta \d+:\d\d:\d\d$",
       "eval": r"^step 2  eval/loss \S+  eval/accuracy \S+$",
-      "checkpoint": r"^step 2  saved checkpoint \S+ckpt-2$",
+      "checkpoint": r"^step ([12])  saved checkpoint \S+ckpt-\1$",
   }
   seen = [[k for k, regex in kinds.items() if re.match(regex, line)]
           for line in text]
   # Nothing else: TensorFlow's lines would pass through our format too.
-  assert seen == [["banner"], ["progress"], ["progress"], ["eval"],
-                  ["checkpoint"]], "\n".join(text)
+  every_step = ["checkpoint"] if "--checkpoint_every=1" in args else []
+  assert seen == [["banner"], ["progress"], *[[k] for k in every_step],
+                  ["progress"], ["eval"], ["checkpoint"]], "\n".join(text)
   assert result.stdout.startswith("done: step 2, eval accuracy ")
-
-
-# -- flagfiles --
-
-
-def _expand(*args):
-  return entry.expand_flagfiles(["train", *args])[1:]
-
-
-def _write(path, data):
-  path.parent.mkdir(parents=True, exist_ok=True)
-  path.write_bytes(data.encode() if isinstance(data, str) else data)
-  return str(path)
-
-
-def _config(*args):
-  """The Config absl makes of `args` (no flagfile expansion of ours)."""
-  with flagsaver.flagsaver():
-    flags.FLAGS.unparse_flags()
-    flags.FLAGS(["train", *args])
-    return run_flags.to_config()
-
-
-def test_a_flagfile_reads_as_absl_reads_it(tmp_path):
-  """Comments, blank lines, surrounding spaces, later flags winning: the
-  same Config as absl's own reading of the file."""
-  path = _write(tmp_path / "run.flags",
-                "# a comment\n\n// another\n--dataset=synthetic\n"
-                "  --model=mlp  \n--seed=3\n--nodeterministic\n--seed=4\n")
-  args = ["--seed=1", f"--flagfile={path}", "--workdir=/tmp/unused"]
-  assert _expand(*args) == ["--seed=1", "--dataset=synthetic", "--model=mlp",
-                            "--seed=3", "--nodeterministic", "--seed=4",
-                            "--workdir=/tmp/unused"]
-  assert _config(*_expand(*args)) == _config(*args)
-  assert _config(*_expand(*args)).seed == 4
-  assert _expand("--flagfile", path, "--", "--flagfile=x") == _expand(
-      f"--flagfile={path}") + ["--", "--flagfile=x"]
-  assert _expand("--flagfile=") == []
-
-
-def test_nested_flagfiles_are_found_next_to_the_file_that_names_them(
-    tmp_path, monkeypatch):
-  _write(tmp_path / "exp" / "base.flags", "--seed=7\n")
-  _write(tmp_path / "exp" / "sub" / "run.flags",
-         "--flagfile=../base.flags\n--model=mlp\n")
-  outer = _write(tmp_path / "exp" / "top.flags",
-                 "--flagfile=sub/run.flags\n--dataset=synthetic\n")
-  (tmp_path / "elsewhere").mkdir()
-  monkeypatch.chdir(tmp_path / "elsewhere")
-  assert _expand(f"--flagfile={outer}") == [
-      "--seed=7", "--model=mlp", "--dataset=synthetic"]
-
-
-def test_a_nested_flagfile_relative_to_the_current_directory_still_works(
-    tmp_path, monkeypatch):
-  """absl's rule, for flagfiles written before: only when the file is not
-  next to the including one."""
-  _write(tmp_path / "configs" / "base.flags", "--seed=8\n")
-  outer = _write(tmp_path / "mine" / "run.flags",
-                 "--flagfile=configs/base.flags\n")
-  monkeypatch.chdir(tmp_path)
-  assert _expand(f"--flagfile={outer}") == ["--seed=8"]
-
-
-def test_a_byte_order_mark_is_ignored(tmp_path):
-  path = _write(tmp_path / "bom.flags",
-                "\ufeff# made on Windows\r\n--seed=5\r\n--model=mlp\r\n")
-  assert _expand(f"--flagfile={path}") == ["--seed=5", "--model=mlp"]
-  path = _write(tmp_path / "bom2.flags", "\ufeff--seed=6\n")
-  assert _expand(f"--flagfile={path}") == ["--seed=6"]
-
-
-@pytest.mark.parametrize("files, message", [
-    ({"run.flags": b"--seed=1\n\xff\xfe--model=mlp\n"},
-     r"^--flagfile=\S*run.flags is not UTF-8 text \(byte 0xff at offset 9\); "
-     r"save it as UTF-8$"),
-    ({"run.flags": b"\xef\xbb\xbf--seed=1\n\xc3(\n"},  # Offsets count the BOM.
-     r"is not UTF-8 text \(byte 0xc3 at offset 12\)"),
-    ({"run.flags": "--flagfile=missing.flags\n"},
-     r"^cannot read --flagfile=\S*missing.flags \(named in \S*run.flags\): "
-     r"No such file or directory$"),
-    ({"run.flags": "--flagfile=other.flags\n", "other.flags":
-      "--flagfile=run.flags\n"},
-     r"^--flagfile=\S*run.flags \(named in \S*other.flags\) includes "
-     r"itself: \S*run.flags -> \S*other.flags -> \S*run.flags; remove the "
-     r"loop$"),
-    ({"run.flags": "--flagfile=.\n"}, r"^cannot read --flagfile=\S*/\. "
-     r"\(named in \S*run.flags\): Is a directory$"),
-])
-def test_a_flagfile_that_cannot_be_used_is_one_error(files, message,
-                                                     tmp_path):
-  for name, data in files.items():
-    _write(tmp_path / name, data)
-  with pytest.raises(entry.FlagfileError, match=message):
-    _expand(f"--flagfile={tmp_path / 'run.flags'}")
-  with pytest.raises(entry.FlagfileError, match="needs a file name"):
-    _expand("--flagfile")
-  _write(tmp_path / "bare.flags", "--seed=1\n-flagfile\nother.flags\n")
-  with pytest.raises(entry.FlagfileError, match=r"bare.flags has a line "
-                     r"-flagfile without a file name; write -flagfile=PATH$"):
-    _expand(f"--flagfile={tmp_path / 'bare.flags'}")
-
-
-def test_a_flagfile_that_is_not_utf8_is_one_line_from_the_command(tmp_path):
-  """As a user runs it, from another directory: exit code 1, one line."""
-  _write(tmp_path / "latin1.flags", "# r\u00e9glages\n--seed=1\n".encode(
-      "latin-1"))
-  result = subprocess.run(
-      [sys.executable, "-m", "experiments.train", "--flagfile=latin1.flags",
-       "--workdir=run"], cwd=tmp_path, capture_output=True, text=True,
-      timeout=120, env={**os.environ, "PYTHONPATH": REPO})
-  assert result.returncode == 1
-  assert result.stderr == ("error: --flagfile=latin1.flags is not UTF-8 "
-                           "text (byte 0xe9 at offset 3); save it as "
-                           "UTF-8\n")
-  assert not (tmp_path / "run").exists()
-
-
-# Lines a random flagfile is made of; {inner} is a flagfile beside it.
-FLAGFILE_LINES = [
-    "--dataset=synthetic", "--model=mlp", "--global_batch_size=16",
-    "--seed=3", "  --train_steps=2  ", "# comment", "// comment", "",
-    "# r\u00e9glages \u2603", "--flagfile={inner}", "--flagfile=nowhere.flags",
-    "--seed=-1", "--grace_period_s=inf", "oops", "--model=m\u00fcll",
-    "--flagfile", "-flagfile={inner}", "--straggler=0:1e300",
-]
-NUM_FLAGFILES = 30
-
-
-def _random_flagfiles():
-  rng = random.Random(SEED + 1)
-  for _ in range(NUM_FLAGFILES):
-    lines = [rng.choice(FLAGFILE_LINES) for _ in range(rng.randint(0, 6))]
-    text = rng.choice(["\n", "\r\n"]).join(lines)
-    data = ("\ufeff" if rng.random() < 0.3 else "") + text
-    data = data.encode()
-    if rng.random() < 0.15:  # Bytes that are not UTF-8.
-      cut = rng.randint(0, len(data))
-      data = data[:cut] + bytes([rng.choice([0xff, 0xc3, 0x80])]) + data[cut:]
-    yield data
-
-
-def _outcome(data, directory):
-  """None if the flagfile `data` (in `directory`, read from another one)
-  parses into a Config; else the one error a user is shown."""
-  _write(directory / "inner.flags", "--model=mlp\n--dataset=synthetic\n")
-  path = _write(directory / "run.flags",
-                data.replace(b"{inner}", b"inner.flags"))
-  (directory / "cwd").mkdir(exist_ok=True)
-  cwd = os.getcwd()
-  os.chdir(directory / "cwd")
-  try:
-    config = _config(*_expand(f"--flagfile={path}", "--workdir=run"))
-  except (entry.FlagfileError, flags.Error, UserError) as e:
-    return str(e)
-  finally:
-    os.chdir(cwd)
-  assert config.workdir == "run"
-  return None
-
-
-@pytest.mark.parametrize("index", range(NUM_FLAGFILES))
-def test_random_flagfiles_parse_or_fail_in_one_line(index, tmp_path):
-  data = list(_random_flagfiles())[index]
-  error = _outcome(data, tmp_path)
-  if error is not None:
-    assert error.strip() and "\n" not in error, error
-    assert "Unable to open flagfile" not in error, error  # absl's words.
-  undecodable = re.search(r"byte 0x(..) at offset (\d+)", error or "")
-  if undecodable:  # It names the byte that is in the file there.
-    assert data[int(undecodable.group(2))] == int(undecodable.group(1), 16)
-
-
-def test_the_random_flagfiles_cover_both_outcomes(tmp_path):
-  """Some parse, some are refused; some have a BOM, some are not UTF-8."""
-  files = list(_random_flagfiles())
-  errors = [_outcome(data, tmp_path) for data in files]
-  assert errors.count(None) >= 3 and len(errors) - errors.count(None) >= 10
-  assert sum("not UTF-8" in (e or "") for e in errors) >= 2
-  assert sum(f.startswith(b"\xef\xbb\xbf") for f in files) >= 5

@@ -190,6 +190,66 @@ def test_nothing_in_the_library_reads_flags():
       offenders)
 
 
+# The folders of dist_loop and what each may import, besides itself. A
+# module at the top (`dist_loop`, `configure`, `train`) may import anything.
+# docs: WORKSPACE.md, "Import layers".
+LAYERS = {
+    "core": set(),
+    "runtime": {"core"},
+    "tasks": {"core", "runtime"},
+    "training": {"core", "runtime", "tasks"},
+    "models": {"core", "runtime", "training"},
+    "data": {"core", "runtime", "tasks"},
+    "parallel": {"core", "runtime", "tasks", "training", "models", "data"},
+    "control": {"core", "runtime", "tasks", "training", "models", "data"},
+}
+TOP = {"dist_loop", "dist_loop.configure", "dist_loop.train"}
+# Upward imports that remain to be removed; the list may only shrink.
+KNOWN_UPWARD = {
+    ("dist_loop.data.base", "dist_loop.models"),
+}
+
+
+def _layer(module: str) -> Optional[str]:
+  return None if module in TOP else module.split(".")[1]
+
+
+def test_every_module_is_in_a_layer():
+  strays = sorted(m for m in MODULES
+                  if m not in TOP and _layer(m) not in LAYERS)
+  assert not strays, ("modules outside the layer folders (put each in one, "
+                      f"or add a layer to LAYERS): {strays}")
+
+
+def test_imports_go_only_down_the_layers():
+  upward = []
+  for module, line, target in edges():
+    layer, to = _layer(module), _layer(target)
+    if layer is None or to == layer or (module, target) in KNOWN_UPWARD:
+      continue
+    if to is None or to not in LAYERS[layer]:
+      upward.append(f"  {MODULES[module][len(REPO) + 1:]}:{line}: "
+                    f"{module} ({layer}) -> {target} ({to or 'top'})")
+  assert not upward, "imports against the layers:\n" + "\n".join(upward)
+
+
+def test_known_upward_imports_still_exist():
+  found = {(a, b) for a, _, b in edges()}
+  gone = KNOWN_UPWARD - found
+  assert not gone, f"remove from KNOWN_UPWARD, they are fixed: {gone}"
+
+
+def test_the_layer_checker_catches_an_upward_import(monkeypatch):
+  fake = [("dist_loop.runtime.lock", 1, "dist_loop.parallel.modes.base")]
+  monkeypatch.setattr(__import__(__name__), "edges", lambda: fake)
+  try:
+    test_imports_go_only_down_the_layers()
+  except AssertionError as e:
+    assert "dist_loop.runtime.lock (runtime)" in str(e)
+  else:
+    raise AssertionError("an upward import passed the layer check")
+
+
 def test_config_imports_nothing_above_it():
   graph = _graph(edges())
   direct = {b for _, _, b in graph.get("dist_loop.core.config", ())}

@@ -83,13 +83,15 @@ print("cores", sorted(os.sched_getaffinity(0)), flush=True)
 print("native log level", os.environ.get("TF_CPP_MIN_LOG_LEVEL"), flush=True)
 """
 
-# Says when it got SIGINT, then exits 130 like the train command does.
+# Says when it got SIGINT or SIGTERM, then exits 128 + N like the train
+# command does.
 TRAP_SIGINT = """
 import signal, sys, time
-def on_int(*_):
-  print("got SIGINT", flush=True)
-  sys.exit(130)
-signal.signal(signal.SIGINT, on_int)
+def on_signal(number, _):
+  print("got", signal.Signals(number).name, flush=True)
+  sys.exit(128 + number)
+signal.signal(signal.SIGINT, on_signal)
+signal.signal(signal.SIGTERM, on_signal)
 print("ready", flush=True)
 time.sleep(60)
 """
@@ -145,7 +147,11 @@ def test_a_failing_task_stops_the_others_and_its_exit_code_propagates(
     assert f"[worker:{i}] task worker {i}" in result.stdout
 
 
-def test_ctrl_c_is_forwarded_to_every_task(tmp_path):
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130),
+                                       (signal.SIGTERM, 143)])
+def test_ctrl_c_and_sigterm_are_forwarded_to_every_task(sig, code, tmp_path):
+  """The launcher passes the signal on and exits 128 + N, as the train
+  command does (docs/reliability.md's table of exit codes)."""
   log_dir = tmp_path / "logs"
   launcher = subprocess.Popen(
       [sys.executable, "-m", "tools.launch", "--num_workers=2",
@@ -158,14 +164,14 @@ def test_ctrl_c_is_forwarded_to_every_task(tmp_path):
     while not all(p.exists() and "ready" in p.read_text() for p in logs):
       assert time.monotonic() < deadline, "tasks did not start"
       time.sleep(0.1)
-    launcher.send_signal(signal.SIGINT)
+    launcher.send_signal(sig)
     out, _ = launcher.communicate(timeout=30)
   finally:
     if launcher.poll() is None:
       launcher.kill()
-  assert launcher.returncode == 130, out
+  assert launcher.returncode == code, out
   for p in logs:
-    assert "got SIGINT" in p.read_text()
+    assert f"got {sig.name}" in p.read_text()
 
 
 def test_command_without_workdir_needs_log_dir():
@@ -405,3 +411,97 @@ def test_at_verbosity_minus_one_only_failures_are_said(tmp_path):
   said = [line for line in result.stdout.splitlines()
           if line.startswith("[launch]")]
   assert len(said) == 1 and "worker:0 failed (exit code 1)" in said[0]
+
+
+# Records its run in WORKDIR/runs-<job>-<i>, prints argv[2] and exits with
+# argv[3]: a usage error, as absl or argparse ends a command.
+USAGE_ERROR = """
+import json, os, sys
+task = json.loads(os.environ["TF_CONFIG"])["task"]
+workdir = sys.argv[1].split("=", 1)[1]
+os.makedirs(workdir, exist_ok=True)
+with open(os.path.join(workdir, f"runs-{task['type']}-{task['index']}"),
+          "a") as f:
+  f.write("run\\n")
+print(sys.argv[2], flush=True)
+sys.exit(int(sys.argv[3]))
+"""
+
+
+@pytest.mark.parametrize("line, code", [
+    ("FATAL Flags parsing error: Unknown command line flag 'train_stepz'", 1),
+    ("usage: train [-h]; error: unrecognized arguments: --x", 2),
+])
+def test_a_usage_error_is_never_restarted(line, code, tmp_path):
+  workdir = tmp_path / "run"
+  result = run_launch("--num_workers=2", "--max_restarts=3", "--",
+                      sys.executable, "-c", USAGE_ERROR, f"--workdir={workdir}",
+                      line, str(code), timeout=60)
+  assert result.returncode == code, result.stdout
+  assert not _restart_lines(result.stdout)
+  assert f"failed (exit code {code}); last lines of" in result.stdout
+  # Each task ran once at most (the first to fail stops the other).
+  runs = [len(p.read_text().splitlines()) for p in workdir.glob("runs-*")]
+  assert runs and max(runs) == 1, runs
+
+
+def test_an_exit_1_without_absl_s_line_is_still_restarted(tmp_path):
+  workdir = tmp_path / "run"
+  result = run_launch("--num_workers=1", "--max_restarts=1", "--",
+                      sys.executable, "-c", USAGE_ERROR, f"--workdir={workdir}",
+                      "error: a peer worker failed", "1", timeout=60)
+  assert result.returncode == 1
+  assert len(_restart_lines(result.stdout)) == 1
+  assert len(_runs(workdir, "worker-0")) == 2
+
+
+# worker:1 kills itself; worker:0 exits 1 as soon as worker:1 is dead (a
+# zombie, until the launcher reaps it), as a peer of a lost worker does.
+PEER_OF_THE_KILLED = """
+import json, os, signal, sys, time
+task = json.loads(os.environ["TF_CONFIG"])["task"]
+pid_file = os.path.join(sys.argv[1], "worker-1.pid")
+if task["index"] == 1:
+  with open(pid_file + ".tmp", "w") as f:
+    f.write(str(os.getpid()))
+  os.rename(pid_file + ".tmp", pid_file)
+  os.kill(os.getpid(), signal.SIGKILL)
+deadline = time.monotonic() + 30
+while time.monotonic() < deadline:
+  try:
+    pid = open(pid_file).read()
+    if open(f"/proc/{pid}/stat").read().split(")")[-1].split()[0] in "ZX":
+      break
+  except OSError:
+    pass
+  time.sleep(0.005)
+print("error: a peer worker failed", flush=True)
+sys.exit(1)
+"""
+
+
+def test_the_task_that_failed_first_is_named(tmp_path, monkeypatch):
+  """Both have ended by the launcher's next look (a slow poll here): the
+  report names worker:1, killed first, not worker:0 that followed."""
+  from tools import supervisor  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(supervisor, "POLL_S", 1.5)
+  launcher = supervisor.Launcher(
+      [sys.executable, "-c", PEER_OF_THE_KILLED, str(tmp_path)], 2,
+      log_dir=str(tmp_path / "logs"), quiet=True, timeout_s=40,
+      cpus_per_task=0, verbosity=-1)
+  launcher.start()
+  try:
+    code = launcher.wait()
+  finally:
+    launcher.stop()
+  assert code == 128 + signal.SIGKILL
+  assert [t.poll() for t in launcher.tasks.values()] == [1, -signal.SIGKILL]
+
+
+def test_help_says_what_a_timeout_of_zero_means(capsys):
+  with pytest.raises(SystemExit) as done:
+    launch.main(["--help", "--", "true"])
+  assert done.value.code == 0
+  help_text = " ".join(capsys.readouterr().out.split())
+  assert "--timeout_s TIMEOUT_S stop everything and exit 124 after this " \
+         "many seconds (0, the default: no time limit)" in help_text

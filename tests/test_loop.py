@@ -63,7 +63,7 @@ class _Scripted(LoopTrainer):
   def scope(self):
     return self.strategy.scope() if self.strategy else tf.device("/cpu:0")
 
-  def make_iterator(self, dataset_fn):
+  def _make_iterator(self, dataset_fn):
     del dataset_fn  # The script instead of the examples.
     rows = self.script[int(self.step.numpy()) * self.replicas:]
     # Each element stacks the step's rows of every replica.
@@ -77,7 +77,7 @@ class _Scripted(LoopTrainer):
               "accuracy": tf.constant(0.25 / self.replicas)}
     return StepResult(shares, row[1] > 0, {"grad_norm": row[2]})
 
-  def segments(self, start, num_steps):
+  def loop_begin(self, start, num_steps):
     return [(n, f"variant{i}") for i, n in enumerate(self.split) if n]
 
 

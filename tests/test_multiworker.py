@@ -43,6 +43,7 @@ import tensorflow as tf
 
 from conftest import REPO
 from dist_loop import make_config
+from dist_loop.control import weights
 from dist_loop.runtime import checkpoints
 from dist_loop.runtime.summaries import LOGDIR, TRAIN
 from helpers import make_trainer, variables

@@ -229,7 +229,7 @@ def test_the_split_holds_for_a_transformer_chunk():
   assert w["UnsortedSegmentSum"] == 1  # The embedding's gradient, in W.
 
 
-# -- timing: only logged steps carry timestamps --
+# -- timing: only a call's last step carries timestamps --
 
 def _op_types(trainer, variant, batch):
   """Every op type of one traced step of `variant`, its nested functions
@@ -246,19 +246,18 @@ def _op_types(trainer, variant, batch):
       for n in nodes)
 
 
-def test_log_timing_times_only_the_step_that_ends_at_a_log_line(tmp_path):
-  # The 3-layer mlp: this test traces the step four times.
+def test_log_timing_times_only_the_last_step_of_a_call(tmp_path):
+  # The 3-layer mlp: this test traces the step four times. The controller
+  # ends a call where an action runs, so the step a log line follows is the
+  # last of its call; the mode needs no schedule of its own.
   cfg = config(tmp_path, train_steps=6, log_every=3, model="mlp",
                **dict(pipeline("zb_h1", 2, 2), pipeline_timing="log"))
   trainer = build(cfg)
-  assert trainer.segments(0, 2) == [(2, "untimed")]
-  assert trainer.segments(2, 1) == [(1, "timed")]
-  assert trainer.segments(3, 3) == [(2, "untimed"), (1, "timed")]
-  trainer.train(2)
-  assert trainer.trace_counts == {"untimed": 1}
+  assert trainer.loop_begin(0, 1) == [(1, "timed")]
+  assert trainer.loop_begin(3, 3) == [(2, "untimed"), (1, "timed")]
   assert trainer.timeline_bars() is None
   assert "pipeline/bubble_measured" not in trainer.report().scalars
-  metrics = trainer.train(4)  # Steps 2..5 untimed, then step 6: timed.
+  metrics = trainer.train(4)  # Steps 0..2 untimed, then step 3: timed.
   assert trainer.trace_counts == {"untimed": 1, "timed": 1}
   # The timed step's bubble and span go to the report, not the metrics.
   assert not any("bubble" in k or "span" in k for k in metrics)
@@ -284,7 +283,7 @@ def test_log_timing_times_only_the_step_that_ends_at_a_log_line(tmp_path):
   tf_config.enable_op_determinism()
   try:
     with pytest.raises(tf.errors.OpError, match="determinism"):
-      trainer.train(3)  # Ends at a log line: its last step is timed.
+      trainer.train(2)  # Its last step is timed.
   finally:
     tf_config.disable_op_determinism()
   trainer.close()

@@ -1,6 +1,6 @@
 """An entry point's exit skips the collector's walks, and only that.
 
-`process_exit.skip_final_gc` must leave garbage cycles uncollected at exit
+`startup.skip_final_gc` (experiments/startup.py) must leave garbage cycles uncollected at exit
 (that walk over every traced graph is the cost it saves) while atexit
 handlers still run. Checked in a bare Python process, without TensorFlow.
 """
@@ -13,16 +13,16 @@ from conftest import REPO
 SCRIPT = """
 import atexit, importlib.util, sys
 spec = importlib.util.spec_from_file_location(
-    "process_exit", "dist_loop/runtime/process_exit.py")
-process_exit = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(process_exit)
+    "startup", "experiments/startup.py")
+startup = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(startup)
 
 class Cycle:
   def __del__(self):
     sys.stdout.write("collected\\n")
 
 if sys.argv[1] == "skip":
-  process_exit.skip_final_gc()
+  startup.skip_final_gc()
 atexit.register(lambda: sys.stdout.write("atexit ran\\n"))
 a, b = Cycle(), Cycle()
 a.other, b.other = b, a  # A cycle: only the collector frees it.

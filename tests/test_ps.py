@@ -23,6 +23,7 @@ import tensorflow as tf
 from conftest import read_events
 from helpers import load_data
 from dist_loop import configure
+from dist_loop.control import weights
 from dist_loop.control.evaluation import Evaluator
 from dist_loop.core.errors import UserError
 from dist_loop.parallel import staleness

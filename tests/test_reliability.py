@@ -21,6 +21,7 @@ from tensorflow.python.framework import config as tf_config  # pylint: disable=g
 
 from conftest import REPO, checkpoint_variables, max_diff, run_main
 from dist_loop import make_config, train
+from dist_loop.control import weights
 from dist_loop.core.errors import NonFiniteError, UserError
 from dist_loop.data import stream
 from dist_loop.data.base import DATASETS, Dataset

@@ -70,7 +70,7 @@ def _shard_copies(trainer):
   """Every replica's copy of every shard variable, as numpy."""
   return [[np.asarray(t) for t in
            trainer.strategy.experimental_local_results(v.value)]
-          for v in trainer.sharding.state.shards]
+          for v in trainer.reduction.sharding.state.shards]
 
 
 def _overflow(trainer):
@@ -101,18 +101,18 @@ def _trained(config):
                              1).save(checkpoint_number=HALF)
   trainer.train(HALF)
   out = dict(variables=variables(trainer), workdir=config.workdir)
-  if trainer.sharding is not None:  # An unsharded run is a reference.
+  if trainer.options.shard != "none":  # An unsharded run is a reference.
     # What a rollback does: restore mid-run, then train on.
     tf.train.Checkpoint(**trainer.checkpoint_items()).read(
         path).assert_existing_objects_matched()
     trainer.on_restore()
     trainer.train(HALF)
     out["rolled_back"] = variables(trainer)
-  optimizer = (trainer.optimizer if trainer.sharding is None
-               else trainer.sharding.state.optimizer)
+  optimizer = (trainer.optimizer if trainer.options.shard == "none"
+               else trainer.reduction.sharding.state.optimizer)
   out["optimizer"] = (type(optimizer).__name__,
                       float(getattr(optimizer, "weight_decay", 0) or 0))
-  if trainer.sharding is not None and trainer.loss_scale is not None:
+  if trainer.options.shard != "none" and trainer.loss_scale is not None:
     out["overflow"] = _overflow(trainer)
   trainer.close()
   return out

@@ -79,12 +79,23 @@ def test_a_single_task_or_no_step_is_one_process(in_step, changes):
 
 
 @pytest.mark.parametrize("changes, message", [
-    (dict(SLURM_STEP_NODELIST="node[01-"), "Invalid hostlist format"),
+    (dict(SLURM_STEP_NODELIST="node[01-"),
+     "SLURM_STEP_NODELIST='node[01-' is not a host list"),
+    (dict(SLURM_STEP_NODELIST="a:b,c d"),
+     "SLURM_STEP_NODELIST='a:b,c d' has 'a:b', which is not a host name"),
+    (dict(SLURM_STEP_NODELIST="node[03-01]"), "has the range [03-01]"),
+    (dict(SLURM_STEP_NODELIST="node01"), "gives 2 nodes, but "
+     "SLURM_STEP_NODELIST lists 1"),
     (dict(SLURM_STEP_TASKS_PER_NODE="two"),
-     "Invalid tasks-per-node list format"),
-    (dict(SLURM_STEP_NUM_TASKS="5"), "Requested 5 tasks but only 3"),
+     "SLURM_STEP_TASKS_PER_NODE='two' is not a list of task counts"),
+    (dict(SLURM_STEP_NUM_TASKS="5"), "SLURM_STEP_NUM_TASKS=5, but "
+     "SLURM_STEP_TASKS_PER_NODE='2,1' places 3 tasks"),
     (dict(SLURM_PROCID="7"), "SLURM_PROCID=7 is not a task of this SLURM "
      "step"),
+    (dict(SLURM_JOB_ID="abc"), "SLURM_JOB_ID='abc' is not a number"),
+    (dict(SLURM_PROCID="-1"), "SLURM_PROCID='-1' is not a number"),
+    (dict(CUDA_VISIBLE_DEVICES="0,1,2", SLURM_GPUS_PER_TASK="2"),
+     "this task sees 3 GPUs (0,1,2), fewer than its node's 2 tasks of 2"),
 ])
 def test_a_bad_slurm_environment_is_one_line(in_step, changes, message):
   in_step(**changes)
@@ -94,15 +105,23 @@ def test_a_bad_slurm_environment_is_one_line(in_step, changes, message):
   assert "start every task with srun, or set TF_CONFIG" in str(error.value)
 
 
-def test_gpu_nodes_give_each_task_its_gpus(in_step, monkeypatch):
-  """With GPUs (a stub nvidia-smi that lists two per node), the resolver
-  gives each task of a node its own."""
-  bin_dir = in_step(SLURM_JOB_ID="4243")
+def _nvidia_smi(bin_dir, monkeypatch, script):
+  """A stub nvidia-smi on PATH that runs `script` (sh)."""
   smi = bin_dir / "nvidia-smi"
-  smi.write_text("#!/bin/sh\necho 'GPU 0: Stub (UUID: GPU-0)'\n"
-                 "echo 'GPU 1: Stub (UUID: GPU-1)'\n")
+  smi.write_text("#!/bin/sh\n" + script)
   smi.chmod(smi.stat().st_mode | stat.S_IEXEC)
   monkeypatch.setenv("PATH", f"{bin_dir}:/bin:/usr/bin")  # sh for the stub.
+
+
+TWO_GPUS = ("echo 'GPU 0: Stub (UUID: GPU-0)'\n"
+            "echo 'GPU 1: Stub (UUID: GPU-1)'\n")
+
+
+def test_gpu_nodes_give_each_task_its_gpus(in_step, monkeypatch):
+  """With GPUs (a stub nvidia-smi that lists two per node), each task of a
+  node gets its own."""
+  bin_dir = in_step(SLURM_JOB_ID="4243")
+  _nvidia_smi(bin_dir, monkeypatch, TWO_GPUS)
   assert cluster.current().task_name == "worker:1"
   assert os.environ["CUDA_VISIBLE_DEVICES"] == "1"  # node01's second GPU.
   # Resolved once: the assignment does not change a second reading.
@@ -131,3 +150,75 @@ def test_the_command_validates_the_step_as_its_cluster(in_step, tmp_path):
                           f"--workdir={tmp_path / 'run'}")
   assert code != 0
   assert "not divisible by 3 replicas" in err, err
+
+
+def _layout(in_step, rank, **changes):
+  """(task name, its CUDA_VISIBLE_DEVICES) of task `rank` of the step."""
+  in_step(SLURM_PROCID=str(rank), **changes)
+  slurm._resolved.clear()  # pylint: disable=protected-access
+  return cluster.current().task_name, os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+# 2 nodes of 2 tasks each.
+FOUR = dict(SLURM_STEP_NUM_TASKS="4", SLURM_STEP_TASKS_PER_NODE="2(x2)")
+
+
+def test_gpus_per_task_one_keeps_each_tasks_own_gpu(in_step):
+  """`srun --gpus-per-task=1`, 2 tasks per node: SLURM binds each task to
+  its GPU, which each sees as 0; every task keeps it."""
+  for rank in range(4):
+    assert _layout(in_step, rank, CUDA_VISIBLE_DEVICES="0",
+                   SLURM_GPUS_PER_TASK="1", **FOUR) == (f"worker:{rank}", "0")
+    # The same without SLURM_GPUS_PER_TASK (--gres and --gpu-bind).
+    assert _layout(in_step, rank, CUDA_VISIBLE_DEVICES="0",
+                   **FOUR) == (f"worker:{rank}", "0")
+
+
+def test_a_node_s_gpus_are_shared_out_among_its_tasks(in_step):
+  """Tasks that see all of their node's GPUs get a share each, by their
+  place on the node; SLURM_GPUS_PER_TASK fixes the share."""
+  got = [_layout(in_step, r, CUDA_VISIBLE_DEVICES="4,5,6,7", **FOUR)[1]
+         for r in range(4)]
+  assert got == ["4,5", "6,7", "4,5", "6,7"]
+  got = [_layout(in_step, r, CUDA_VISIBLE_DEVICES="0,1,2,3",
+                 SLURM_GPUS_PER_TASK="tesla:1", **FOUR)[1] for r in range(4)]
+  assert got == ["0", "1", "0", "1"]
+
+
+def test_a_node_that_lists_no_gpus_is_a_cpu_node(in_step, monkeypatch):
+  bin_dir = in_step()
+  _nvidia_smi(bin_dir, monkeypatch, "echo 'No devices were found'\n")
+  assert _layout(in_step, 1) == ("worker:1", None)
+  assert _layout(in_step, 1, CUDA_VISIBLE_DEVICES="") == ("worker:1", "")
+
+
+@pytest.mark.parametrize("script, message", [
+    ("exec sleep 1000\n", "nvidia-smi --list-gpus did not answer in 1 s"),
+    ("sleep 1000 &\necho 'GPU 0: Stub'\n",  # Its child holds the output.
+     "nvidia-smi --list-gpus did not answer in 1 s"),
+    ("echo 'NVIDIA-SMI has failed'\nexit 9\n",
+     "nvidia-smi --list-gpus failed (exit code 9: NVIDIA-SMI has failed)"),
+])
+def test_nvidia_smi_is_bounded_and_its_failure_one_line(
+    in_step, monkeypatch, script, message):
+  bin_dir = in_step()
+  _nvidia_smi(bin_dir, monkeypatch, script)
+  monkeypatch.setattr(slurm, "NVIDIA_SMI_TIMEOUT_S", 1.0)
+  slurm._resolved.clear()  # pylint: disable=protected-access
+  with pytest.raises(UserError) as error:
+    cluster.current()
+  assert message in str(error.value) and "\n" not in str(error.value)
+  assert "set CUDA_VISIBLE_DEVICES" in str(error.value)
+
+
+def test_a_hanging_nvidia_smi_stops_the_entry_point_in_one_line(
+    in_step, monkeypatch, tmp_path):
+  """While the flags are parsed: exit non-zero, one line, no workdir."""
+  bin_dir = in_step(SLURM_JOB_ID="4244")
+  _nvidia_smi(bin_dir, monkeypatch, "exec sleep 1000\n")
+  monkeypatch.setattr(slurm, "NVIDIA_SMI_TIMEOUT_S", 1.0)
+  code, out, err = run_main("--dataset=synthetic", "--model=mlp",
+                            f"--workdir={tmp_path / 'run'}")
+  assert code != 0 and out == ""
+  assert err.count("\n") == 1 and "did not answer in 1 s" in err, err
+  assert not (tmp_path / "run").exists()

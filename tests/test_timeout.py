@@ -35,9 +35,9 @@ def test_blocks_in_native_code():
 '''
 
 
-# What conftest.py needs of dist_loop, without TensorFlow: the backstop
-# under test is conftest's own code, and importing TensorFlow in the pytest
-# process would be most of this file's time.
+# What conftest.py needs of dist_loop and experiments, without TensorFlow:
+# the backstop under test is conftest's own code, and importing TensorFlow
+# in the pytest process would be most of this file's time.
 DEVICES_STUB = '''
 def configure(*args, **kwargs):
   del args, kwargs
@@ -50,14 +50,16 @@ def import_tensorflow():
 
 def _pytest(directory, source, *args):
   """pytest with the project's settings (timeout method, required plugin)
-  and a 1 s bound, on one generated test file; dist_loop is a stub of
-  `devices.configure` and `tf_import.import_tensorflow`."""
+  and a 1 s bound, on one generated test file; dist_loop and experiments
+  are stubs of `devices.configure` and `startup.import_tensorflow`."""
   (directory / "test_hangs.py").write_text(source)
   stub = directory / "stub" / "dist_loop"
   stub.mkdir(parents=True)
   (stub / "__init__.py").write_text("")
   (stub / "devices.py").write_text(DEVICES_STUB)
-  (stub / "tf_import.py").write_text(TF_IMPORT_STUB)
+  (stub.parent / "experiments").mkdir()
+  (stub.parent / "experiments" / "__init__.py").write_text("")
+  (stub.parent / "experiments" / "startup.py").write_text(TF_IMPORT_STUB)
   result = subprocess.run(
       [sys.executable, "-m", "pytest", "-c",
        os.path.join(REPO, "pyproject.toml"), "--rootdir", str(directory),

@@ -54,6 +54,9 @@ def _snapshot(directory):
       out[os.path.join(root, name)] = "dir"
     for name in files:
       path = os.path.join(root, name)
+      if os.path.islink(path) and not os.path.exists(path):
+        out[path] = ("link", os.readlink(path))
+        continue
       with open(path, "rb") as f:
         out[path] = (os.stat(path).st_mtime_ns,
                      hashlib.sha1(f.read()).digest())
@@ -111,6 +114,12 @@ ODD_STATES = {
         "summary.json is a directory"),
     "checkpoints_is_a_file": (lambda d: _replace_with_file(d / "checkpoints"),
                               "checkpoints is a file"),
+    "checkpoints_is_a_dangling_link": (
+        lambda d: (shutil.rmtree(d / "checkpoints"),
+                   (d / "checkpoints").symlink_to(d / "gone")),
+        "checkpoints is a symbolic link to "),
+    "lock_is_a_directory": (lambda d: (d / "lock").mkdir(),
+                            "lock is a directory, but a run keeps a file"),
     "index_is_a_directory": (
         lambda d: _replace_with_dir(d / "checkpoints" / "checkpoint"),
         "checkpoint is a directory"),
@@ -142,19 +151,68 @@ def test_an_unparseable_flags_txt_is_resumed_with_allow_config_change(
 
 
 @pytest.mark.parametrize("where", ["a_file", "under_proc", "under_sys",
-                                   "under_a_file"])
+                                   "under_a_file", "a_dangling_link",
+                                   "under_a_dangling_link"])
 def test_a_workdir_that_cannot_be_used_is_refused(where, tmp_path):
   a_file = tmp_path / "a_file"
   a_file.write_text("keep me\n")
+  (tmp_path / "link").symlink_to(tmp_path / "gone")
   path, message = {
       "a_file": (a_file, "is a file, not a directory"),
       "under_proc": ("/proc/dist_loop_test/run", "cannot create"),
       "under_sys": ("/sys/dist_loop_test/run", "cannot create"),
       "under_a_file": (a_file / "run", "is a file"),
+      "a_dangling_link": (tmp_path / "link", f"{tmp_path}/link is a symbolic "
+                          f"link to {tmp_path}/gone, which does not exist; "
+                          "create that directory, or remove the link"),
+      "under_a_dangling_link": (tmp_path / "link" / "run",
+                                f"{tmp_path}/link is a symbolic link to"),
   }[where]
   _refused(tmp_path, message=message, workdir_arg=path)
   assert a_file.read_text() == "keep me\n"
   assert not os.path.exists("/proc/dist_loop_test")
+
+
+def test_a_workdir_on_a_read_only_filesystem_says_so(tmp_path, monkeypatch):
+  """Root may write anywhere but on a read-only filesystem: the cause named
+  is the filesystem, not the user. (The filesystem is faked: its flag from
+  statvfs, and the access check that follows from it.)"""
+  real_statvfs = os.statvfs
+
+  class ReadOnly:
+    def __init__(self, path):
+      self.f_flag = real_statvfs(path).f_flag | os.ST_RDONLY
+
+  monkeypatch.setattr(os, "statvfs", ReadOnly)
+  monkeypatch.setattr(os, "access", lambda *_: False)
+  for path, message in ((tmp_path, "is on a read-only filesystem; use "
+                         "another --workdir"),
+                        (tmp_path / "new", f"cannot be created: {tmp_path} is "
+                         "on a read-only filesystem")):
+    with pytest.raises(UserError, match=message):
+      workdir._check_location(str(path))  # pylint: disable=protected-access
+  monkeypatch.setattr(os, "statvfs", real_statvfs)
+  with pytest.raises(UserError, match="is not writable by this user"):
+    workdir._check_location(str(tmp_path))  # pylint: disable=protected-access
+
+
+def test_a_lock_file_that_cannot_be_written_names_the_cause(tmp_path,
+                                                            monkeypatch):
+  """A full disk, a read-only filesystem and permissions each get their own
+  fix."""
+  real_open = os.open
+  for code, fix in ((errno.ENOSPC, "Free some space, then rerun"),
+                    (errno.EROFS, "Use a workdir on a filesystem mounted "
+                     "read-write"),
+                    (errno.EACCES, "Fix the workdir's permissions")):
+    def refuse(path, *args, code=code, **kwargs):
+      if str(path).endswith("/lock"):
+        raise OSError(code, os.strerror(code))
+      return real_open(path, *args, **kwargs)
+    monkeypatch.setattr(os, "open", refuse)
+    with pytest.raises(UserError, match=fix):
+      workdir.Lock(str(tmp_path / "run")).acquire()
+    assert not (tmp_path / "run").exists()
 
 
 def test_flag_errors_are_printed_once(tmp_path):

@@ -30,7 +30,8 @@ from absl import app, flags
 
 # Neither imports TensorFlow: `main` imports it, quietly, once the
 # verbosity is known.
-from dist_loop.runtime import console, process_exit
+from dist_loop.runtime import console
+from experiments import startup
 from dist_loop.runtime.files import atomic_write_json
 
 SUITES = {  # name -> module with run(quick) -> {"rows": [...], "table": str}
@@ -55,10 +56,10 @@ flags.DEFINE_string("out", "bench.json", "Where the JSON results go.")
 flags.DEFINE_bool("quick", False, "Tiny sizes: checks the harness only.")
 
 
-@flags.validator("suite", message="unknown suite; choose from all, "
-                 + ", ".join(SUITES))
+@flags.validator("suite", message="unknown or no suite; choose one or "
+                 "more of: all, " + ", ".join(SUITES))
 def _known(names):
-  return all(n == "all" or n in SUITES for n in names)
+  return bool(names) and all(n == "all" or n in SUITES for n in names)
 
 
 def machine() -> dict:
@@ -102,8 +103,7 @@ def run_suites(names, quick: bool, out_path: str) -> dict:
 
 def main(argv):
   del argv
-  process_exit.skip_final_gc()
-  console.start(verbosity())  # Imports TensorFlow.
+  startup.start(verbosity())  # Imports TensorFlow.
   console.setup(verbosity())
   # Python warnings (Keras fit's, in the overhead suite) are another
   # library's lines too: as log records, the console's filter sees them.

@@ -12,6 +12,12 @@ point). With --logdir the same plot is also a TensorBoard image (tag
 `compare/curves`, an RGB image at step 0, its description naming the runs),
 so `tensorboard --logdir runs/` shows it in the Images tab beside the runs.
 
+A run that diverged (exit code 3; summary.json's `diverged`) is marked
+"(diverged)" in the table, with its reason on a line below it. A
+summary.json that is not what a run writes, or an output path in a
+directory that does not exist, is one `error:` line and exit code 1,
+before any output.
+
 The terminal shows the tool's own lines only; `--verbosity=1` adds
 TensorFlow's warnings, `--verbosity=2` everything
 (`dist_loop/runtime/console.py`).
@@ -24,7 +30,8 @@ from typing import Dict, List
 
 from absl import app, flags
 
-from dist_loop.runtime import console, process_exit
+from dist_loop.runtime import console
+from experiments import startup
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("plot", "compare.png", "Where the PNG plot goes ('' for "
@@ -45,16 +52,39 @@ class RunError(Exception):
 
 
 def load_run(workdir: str) -> Dict:
-  """summary.json and the scalar curves of one run."""
+  """summary.json and the scalar curves of one run.
+
+  Raises:
+    RunError: no summary.json, or one that is not what a run writes.
+  """
   path = os.path.join(workdir, "summary.json")
   if not os.path.isfile(path):
     raise RunError(f"{workdir} has no summary.json: is it a finished "
                    "dist_loop run?")
-  with open(path) as f:
-    summary = json.load(f)
+  summary = _read_summary(path)
   return {"name": os.path.basename(os.path.normpath(workdir)),
           "summary": summary,
           "curves": read_curves(os.path.join(workdir, "tb"))}
+
+
+def _read_summary(path: str) -> Dict:
+  """summary.json as a run writes it: an object whose base columns are
+  numbers (or null), except `mode`."""
+  fix = "rerun that run to rewrite it, or leave it out"
+  try:
+    with open(path, encoding="utf-8") as f:
+      summary = json.load(f)
+  except (OSError, UnicodeDecodeError, ValueError) as e:
+    raise RunError(f"{path} is not readable JSON ({e}); {fix}") from None
+  if not isinstance(summary, dict):
+    raise RunError(f"{path} holds a JSON {type(summary).__name__}, not an "
+                   f"object; {fix}")
+  for column in BASE_COLUMNS[1:]:
+    value = summary.get(column)
+    if value is not None and (isinstance(value, bool)
+                              or not isinstance(value, (int, float))):
+      raise RunError(f"{path}: {column} is {value!r}, not a number; {fix}")
+  return summary
 
 
 def read_curves(logdir: str) -> Dict[str, List]:
@@ -94,10 +124,35 @@ def table(runs: List[Dict]) -> str:
   lines = ["| " + " | ".join(columns) + " |",
            "| " + " | ".join("---" for _ in columns) + " |"]
   for r in runs:
-    values = {"run": r["name"], **r["summary"]}
+    marker = " (diverged)" if r["summary"].get("diverged") else ""
+    values = {**r["summary"], "run": r["name"] + marker}
     lines.append("| " + " | ".join(cell(values.get(c)) for c in columns)
                  + " |")
   return "\n".join(lines)
+
+
+def notes(runs: List[Dict]) -> List[str]:
+  """A line per diverged run, with summary.json's reason (exit code 3)."""
+  return [f"{r['name']} diverged: {r['summary']['diverged']}" for r in runs
+          if r["summary"].get("diverged")]
+
+
+def check_outputs() -> None:
+  """Refuses an output path whose directory does not exist or cannot be
+  written, before any work. Raises RunError."""
+  for name in ("plot", "json"):
+    path = FLAGS[name].value
+    if not path:
+      continue
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+      raise RunError(f"--{name}={path}: the directory {directory} does not "
+                     "exist; create it or choose another path")
+    if not os.access(directory, os.W_OK):
+      raise RunError(f"--{name}={path}: the directory {directory} is not "
+                     "writable; choose another path")
+    if os.path.isdir(path):
+      raise RunError(f"--{name}={path} is a directory; name a file")
 
 
 def figure(runs: List[Dict]):
@@ -170,25 +225,32 @@ def main(argv):
   workdirs = argv[1:]
   if not workdirs:
     raise app.UsageError("give one or more run workdirs")
-  process_exit.skip_final_gc()
-  console.start(verbosity())  # Imports TensorFlow, quietly.
+  startup.start(verbosity())  # Imports TensorFlow, quietly.
   console.setup(verbosity())
   try:
+    check_outputs()
     runs = [load_run(w) for w in workdirs]
   except RunError as e:
     print(f"error: {e}", file=sys.stderr)
     return 1
   print(table(runs))
-  if FLAGS.plot:
-    plot(runs, FLAGS.plot)
-    print(f"plot: {FLAGS.plot}")
-  if FLAGS.logdir:
-    write_image(runs, FLAGS.logdir)
-    print(f"tensorboard image compare/curves: {FLAGS.logdir}")
-  if FLAGS.json:
-    with open(FLAGS.json, "w") as f:
-      json.dump([{"run": r["name"], **r["summary"]} for r in runs], f,
-                indent=2)
+  for line in notes(runs):
+    print(line)
+  try:
+    if FLAGS.plot:
+      plot(runs, FLAGS.plot)
+      print(f"plot: {FLAGS.plot}")
+    if FLAGS.logdir:
+      write_image(runs, FLAGS.logdir)
+      print(f"tensorboard image compare/curves: {FLAGS.logdir}")
+    if FLAGS.json:
+      with open(FLAGS.json, "w") as f:
+        json.dump([{"run": r["name"], **r["summary"]} for r in runs], f,
+                  indent=2)
+  except OSError as e:
+    print(f"error: cannot write {e.filename or 'an output'}: "
+          f"{e.strerror or e}", file=sys.stderr)
+    return 1
   return 0
 
 

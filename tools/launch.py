@@ -18,11 +18,13 @@ Every task runs the same command; only its `TF_CONFIG` differs:
 
 Each task's output goes to WORKDIR/logs/<task>.log (`--workdir` is read from
 the command; `--log_dir` overrides) and, prefixed with `[task]`, to the
-console. Ctrl-C is forwarded to every training task (in a PS cluster, the
-servers are stopped once the chief has saved). The launcher exits 0 once every
+console. Ctrl-C and SIGTERM are forwarded to every training task (in a PS
+cluster, the servers are stopped once the chief has saved), and the
+launcher then exits 130 or 143. The launcher exits 0 once every
 training process exited 0 (then it stops the servers). If a task fails, it
-stops the others, prints the tail of the failed task's log and exits with
-that task's code; a failed worker of a parameter-server cluster is the one
+stops the others, prints the tail of the log of the task that failed first
+(by the time each ended: a peer's failure follows) and exits with that
+task's code; a failed worker of a parameter-server cluster is the one
 exception: the coordinator moves its work to the other workers, so it is
 reported and training goes on.
 
@@ -32,7 +34,9 @@ same command (and the same TF_CONFIG, unless a port was taken meanwhile);
 every task resumes from the last checkpoint. One line per restart says why,
 and which of N it is; the (N+1)-th failure ends the launcher with that
 task's exit code. Exit code 3 (the run diverged) is never restarted: a
-restart would diverge the same way. A lost parameter server, or a worker's SIGTERM exit, is a
+restart would diverge the same way; nor is a usage error (exit code 2, or
+absl's exit 1 with "FATAL Flags parsing error"), which every restart would
+repeat. A lost parameter server, or a worker's SIGTERM exit, is a
 failure like any other. On real hosts, run the train command itself with a
 hand-written TF_CONFIG per host, or under SLURM with srun (README, "Multiple
 processes and hosts").
@@ -122,11 +126,13 @@ def _parse(argv: Sequence[str]) -> Launcher:
   parser.add_argument("--log_dir", default=None,
                       help="default: WORKDIR/logs, WORKDIR from --workdir")
   parser.add_argument("--timeout_s", type=float, default=0,
-                      help="stop everything and exit 124 after this long")
+                      help="stop everything and exit 124 after this many "
+                      "seconds (0, the default: no time limit)")
   parser.add_argument("--max_restarts", type=int, default=0,
                       help="after a failure, restart the whole cluster up "
                       "to N times (0: stop at the first failure; exit code 3, "
-                      "a diverged run, is never restarted)")
+                      "a diverged run, and a usage error are never "
+                      "restarted)")
   parser.add_argument("--cpus_per_task", type=_cpus_per_task, default=None,
                       help="cores per task: auto (a share of the cores if "
                       "there is one per task), N, or 0 (never pin)")
@@ -183,8 +189,8 @@ def main(argv=None) -> int:
   argv = sys.argv[1:] if argv is None else argv
   try:
     launcher = _parse(argv)
-    signal.signal(signal.SIGINT, lambda *_: launcher.interrupt())
-    signal.signal(signal.SIGTERM, lambda *_: launcher.interrupt())
+    for sig in (signal.SIGINT, signal.SIGTERM):
+      signal.signal(sig, lambda number, _: launcher.interrupt(number))
     service = (subprocess.Popen(launcher.data_service,
                                 stdout=subprocess.DEVNULL)
                if launcher.data_service else None)

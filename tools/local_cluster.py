@@ -189,6 +189,7 @@ class Task:
     self.reported = False
     self._tail = collections.deque(maxlen=TAIL_LINES)
     self._reader: Optional[threading.Thread] = None
+    self._exited_at: Optional[float] = None
 
   def start(self, command, env, log_path, console_lock, quiet, header="",
             cpus=None):
@@ -212,6 +213,22 @@ class Task:
         target=self._pump, args=(console_lock, quiet), daemon=True,
         name=f"log-{self.name}")
     self._reader.start()
+    self._exited_at = None
+    threading.Thread(target=self._watch_exit, daemon=True,
+                     name=f"exit-{self.name}").start()
+
+  def _watch_exit(self):
+    """Notes when the process ends, without reaping it (`poll` does)."""
+    try:
+      os.waitid(os.P_PID, self.process.pid, os.WEXITED | os.WNOWAIT)
+    except ChildProcessError:  # Already reaped: it has ended.
+      pass
+    self._exited_at = time.monotonic()
+
+  def exit_time(self) -> float:
+    """When the process ended (monotonic clock); now if not noted yet."""
+    return self._exited_at if self._exited_at is not None else (
+        time.monotonic())
 
   def _pump(self, console_lock, quiet):
     with open(self.log_path, "a", encoding="utf-8") as log:

@@ -22,6 +22,11 @@ STOP_GRACE_S = 10.0  # SIGTERM, then SIGKILL after this.
 # `errors.DivergedError`) diverges again from the same checkpoint, so the
 # launcher reports it at once instead of retrying.
 FINAL_CODES = (3,)
+# A usage error is the same on every restart: argparse's (and this
+# launcher's) exit code 2, or absl's exit 1 with this line (a misspelt flag,
+# a value the flag parser refuses).
+USAGE_CODE = 2
+ABSL_USAGE_LINE = "FATAL Flags parsing error"
 
 # Before a restart: a task stuck in a collective with a dead peer cannot
 # act on SIGTERM until the collective times out, and nothing is left to save.
@@ -75,7 +80,7 @@ class Launcher:
     self.restarts = 0
     self.verbosity = verbosity
     self._lock = threading.Lock()
-    self._interrupted = False
+    self._interrupted = None  # The signal that asked us to stop.
     self.tasks = self._make_tasks()
     self.cpus = self._plan_cpus(cpus_per_task)
     # In a PS cluster the coordinator re-runs a lost worker's steps elsewhere.
@@ -144,17 +149,18 @@ class Launcher:
                 f"{log_path}")
       self._say(f"{task.name}: TF_CONFIG={tf_config}", level=1)
 
-  def interrupt(self) -> None:
-    """Forwards Ctrl-C (SIGINT) to every training task; `wait` stops the
-    servers once those have saved their checkpoint, then returns 130.
+  def interrupt(self, sig: int = signal.SIGINT) -> None:
+    """Forwards Ctrl-C (SIGINT) or SIGTERM to every training task; `wait`
+    stops the servers once those have saved their checkpoint, then returns
+    128 + the signal (130, 143).
 
     Servers (a PS cluster's workers and parameter servers) hold the
     variables the chief saves on Ctrl-C, so they must outlive it.
     """
-    self._interrupted = True
+    self._interrupted = int(sig)
     for task in self.tasks.values():
       if task.trains:
-        task.signal(signal.SIGINT)
+        task.signal(sig)
 
   def wait(self) -> int:
     """Watches the tasks until training ends or fails for good; returns an
@@ -167,12 +173,12 @@ class Launcher:
         if (all(t.poll() is not None for t in self.tasks.values() if t.trains)
             or time.monotonic() - interrupted_at > 3 * STOP_GRACE_S):
           self.stop()
-          return 130
+          return 128 + self._interrupted
       failed = self._check_failures()
       if failed is not None:
         task, code = failed
         if (self.restarts < self.max_restarts and not self._interrupted
-            and code not in FINAL_CODES):
+            and code not in FINAL_CODES and not _usage_error(task, code)):
           self._restart(task, code)
           continue
         self._report(task, code)
@@ -191,8 +197,14 @@ class Launcher:
       time.sleep(POLL_S)
 
   def _check_failures(self):
-    """The first task that failed since the last look, as (task, exit
-    code), or None. A tolerated failure is reported here."""
+    """The task that failed first of those that failed since the last look,
+    as (task, exit code), or None. A tolerated failure is reported here.
+
+    First by the time each exited (`Task.exited_at`), not by name: when
+    worker:1 is killed, worker:0 fails a moment later for want of its peer,
+    and both may have ended by the next look.
+    """
+    failed = []
     for task in self.tasks.values():
       code = task.poll()
       if code in (None, 0) or task.stopped or task.reported:
@@ -205,8 +217,14 @@ class Launcher:
         self._say(f"{task.name} failed; the coordinator moves its work to "
                   "the other workers, training goes on", level=-1)
         continue
-      return task, code
-    return None
+      failed.append((task, code))
+    if not failed:
+      return None
+    first = min(failed, key=lambda f: f[0].exit_time())
+    for task, _ in failed:
+      if task is not first[0]:
+        task.stopped = True  # It ended because `first` did.
+    return first
 
   def _restart(self, task: Task, code: int) -> None:
     """Stops every task and starts the cluster again, on the same ports
@@ -251,6 +269,13 @@ class Launcher:
     if self.verbosity >= level:
       with self._lock:
         print(f"[launch] {message}", flush=True)
+
+
+def _usage_error(task: Task, code: int) -> bool:
+  """Whether the task ended with a usage error, which a restart repeats."""
+  return code == USAGE_CODE or (
+      code == 1 and any(line.startswith(ABSL_USAGE_LINE)
+                        for line in task.tail()))
 
 
 def _how(code: int) -> str:

@@ -23,7 +23,8 @@ from dist_loop.core.options import REQUIRED, option
 DEVICE_TYPES = ("auto", "cpu", "gpu")
 PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
 NONFINITE_POLICIES = ("raise", "skip", "rollback")
-COMPONENT_FIELDS = ("mode_options", "model_options", "dataset_options")
+COMPONENT_FIELDS = ("mode_options", "model_options", "dataset_options",
+                    "schedule_options")
 
 # Upper bounds. Above each, a value is a typo that would crash the process
 # (or exhaust its memory) instead of failing with a message.
@@ -32,8 +33,10 @@ MAX_SEED = 2**32 - 1
 # Any count of steps: far beyond a real run, within the 32-bit integers that
 # TensorFlow ops may count with, and an ETA that fits a datetime.timedelta.
 MAX_STEPS = 2**31 - 1
-# Examples in one batch: TensorFlow's int32 shapes overflow at 2**31, and a
-# batch far smaller no longer fits in memory.
+# Examples in one batch, and in one step (--global_batch_size x
+# --grad_accum_steps: a step's input holds every micro-batch): TensorFlow's
+# int32 shapes overflow at 2**31, and a batch far smaller no longer fits in
+# memory.
 MAX_BATCH = 2**20
 # More threads than cores only add switching, and 1024 is above the core
 # count of any single machine; each thread reserves a stack, so 100000
@@ -83,8 +86,26 @@ class Config:
   train_steps: int = option(1000, "Steps to train.", lower=1,
                             upper=MAX_STEPS, group=_RUN)
   optimizer: str = option("adam", "Registered optimizer.", group=_OPTIMIZER)
-  learning_rate: float = option(1e-3, "Learning rate.", above=0.0,
-                                group=_OPTIMIZER)
+  learning_rate: float = option(
+      1e-3, "Learning rate: the peak of --lr_schedule.", above=0.0,
+      group=_OPTIMIZER)
+  lr_schedule: str = option(
+      "constant", "Registered learning-rate schedule, a function of the "
+      "step (dist_loop/training/schedules.py).", group=_OPTIMIZER)
+  warmup_steps: int = option(
+      0, "Linear warm-up: step s of the first W gets s/W of the rate "
+      "(0: none).", lower=0, upper=MAX_STEPS, group=_OPTIMIZER)
+  clip_global_norm: float = option(
+      0.0, "Scale the reduced gradient of each update down to this global "
+      "norm if it is above (0: no clipping). train/grad_norm stays the "
+      "norm before clipping; train/clipped_fraction: how often it acted.",
+      lower=0.0, group=_OPTIMIZER)
+  weight_decay: float = option(
+      -1.0, "Decoupled weight decay (as AdamW): w -= lr * weight_decay * w "
+      "each update, on every variable of rank >= 2 (biases and "
+      "normalisation parameters excluded). -1: the optimizer's own (adamw: "
+      "0.004 on every variable; the others: none).", lower=-1.0,
+      group=_OPTIMIZER)
   seed: int = option(0, "Seed of initialisation and data order.", lower=0,
                      upper=MAX_SEED, group=_RUN)
   deterministic: bool = option(
@@ -111,7 +132,7 @@ class Config:
       group=_PRECISION)
   grad_accum_steps: int = option(
       1, "Micro-steps of --global_batch_size examples each, summed before "
-      "one all-reduce and one update (sync mode).", lower=1, upper=MAX_STEPS,
+      "one all-reduce and one update (sync mode).", lower=1, upper=MAX_BATCH,
       group=_PRECISION, layout=True)
   nonfinite: str = option(
       "raise", "On a NaN/Inf loss or gradient: raise (stop, naming the "
@@ -132,8 +153,9 @@ class Config:
       upper=MAX_STEPS, group=_RELIABILITY)
   diverged_loss_ratio: float = option(
       10.0, "Report the run as diverged (a warning, summary.json, exit code "
-      "3) if its last logged loss is this many times its first, or its "
-      "evaluation is non-finite; 0: never.", lower=0.0, group=_RELIABILITY)
+      "3) if its last logged loss is this many times its first (above 1), "
+      "or its evaluation is non-finite; 0: never.", lower=0.0,
+      group=_RELIABILITY)
   grace_period_s: float = option(
       30.0, "After SIGTERM, seconds to save a checkpoint and exit.",
       lower=0.1, upper=MAX_GRACE_PERIOD_S, group=_RELIABILITY)
@@ -158,12 +180,14 @@ class Config:
       300.0, "Multi-process runs: joining the cluster fails if a peer task "
       "has not come up after this long.", lower=0.001, upper=MAX_TIMEOUT_S,
       group=_CLUSTER)
-  # The options dataclasses of the chosen mode, model and dataset (a
-  # registered component may declare `Options`); None means no options or
-  # their defaults (`dist_loop.configure.validate` fills them in).
+  # The options dataclasses of the chosen mode, model, dataset and
+  # learning-rate schedule (a registered component may declare `Options`);
+  # None means no options or their defaults (`dist_loop.configure.validate`
+  # fills them in).
   mode_options: Any = None
   model_options: Any = None
   dataset_options: Any = None
+  schedule_options: Any = None
 
   def validate(self) -> "Config":
     """Checks the run-wide rules: each field's declared bounds and choices,
@@ -173,12 +197,33 @@ class Config:
       raise UserError("--workdir is empty; name the run's directory, for "
                       "example --workdir=runs/default")
     self.profile_range  # pylint: disable=pointless-statement
+    self._check_step_size()
+    if 0 < self.diverged_loss_ratio <= 1:
+      raise UserError(f"--diverged_loss_ratio={self.diverged_loss_ratio:g} "
+                      "would call a run whose loss did not rise diverged; use "
+                      "a ratio above 1 (the default is 10), or 0 for never")
+    if -1.0 < self.weight_decay < 0.0:
+      raise UserError(f"--weight_decay={self.weight_decay} must be >= 0, or "
+                      "-1 for the optimizer's own")
     for options in self.component_options():
       options_lib.check(options)
     return self
 
+  def _check_step_size(self) -> None:
+    """A step's input holds all its micro-batches: at most MAX_BATCH
+    examples."""
+    examples = self.global_batch_size * self.grad_accum_steps
+    if examples > MAX_BATCH:
+      raise UserError(
+          f"--grad_accum_steps={self.grad_accum_steps} micro-batches of "
+          f"--global_batch_size={self.global_batch_size} make {examples} "
+          f"examples per step, above the {MAX_BATCH} a step can hold; use "
+          f"--grad_accum_steps={MAX_BATCH // self.global_batch_size} or "
+          "fewer")
+
   def component_options(self) -> Tuple[Any, ...]:
-    return (self.mode_options, self.model_options, self.dataset_options)
+    return (self.mode_options, self.model_options, self.dataset_options,
+            self.schedule_options)
 
   @property
   def profile_range(self) -> Optional[Tuple[int, int]]:
@@ -226,11 +271,32 @@ class Config:
     return [f"--{k}: {old[k]} -> {new[k]}" for k in fields
             if k in old and k in new and old[k] != new[k]]
 
+  def changes(self, previous_flagfile: str) -> List[str]:
+    """`--name: old -> new` for every flag that differs from a previous
+    run's flags.txt (the start banner's "changed since the checkpoint").
+    A run-wide flag the old file lacks (one added since) counts as its
+    default; a component's option only one side has is not compared."""
+    old = parse_flagfile(previous_flagfile)
+    defaults = parse_flagfile(Config(workdir=self.workdir).to_flagfile())
+    out = []
+    for name, value in parse_flagfile(self.to_flagfile()).items():
+      before = old.get(name, defaults.get(name))
+      if (name not in ("workdir", "allow_config_change")
+          and before is not None and before != value):
+        out.append(f"--{name}: {before} -> {value}")
+    return out
+
+  def optimizer_change(self, previous_flagfile: str) -> Optional[str]:
+    """The optimizer of a previous run's flags.txt, if it is another:
+    its slots do not fit this run's optimizer."""
+    old = parse_flagfile(previous_flagfile).get("optimizer")
+    return old if old not in (None, self.optimizer) else None
+
   def replace(self, **changes) -> "Config":
     return dataclasses.replace(self, **changes)
 
   def replace_options(self, **changes) -> "Config":
-    """A copy with some mode, model or dataset options changed."""
+    """A copy with some mode, model, dataset or schedule options changed."""
     new = {}
     for field in COMPONENT_FIELDS:
       options = getattr(self, field)

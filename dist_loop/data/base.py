@@ -9,6 +9,16 @@ with `options=`. Inputs are float32 features or images, or int32 token ids
 for a language-model dataset (`data/text.py`), whose labels are the next
 token at every position.
 
+A loader declares what it gives, so that a model that cannot take it is
+refused while the flags are parsed (`gives`, `configure.check_fit`):
+`loader.input_rank` (the rank of one example: 1 for feature vectors or
+token windows, 3 for images), `loader.images = True` if it gives images of
+the size a model asks for (rank 3 then, whatever its own rank),
+`loader.input_dtype` ("float32", "int32") and `loader.task`
+("classification", "language_model"). `load` checks that the loader kept
+its word; what a loader does not declare is checked against the model once
+the data is loaded (`configure.check_fit` with `given`).
+
 `load` checks what a loader returns before anything trains (`check`): a file
 with the wrong shapes, labels out of range or no examples stops the run with
 one line naming the file, instead of failing mid-training or, worse,
@@ -17,7 +27,7 @@ converted (mnist: images of rank 3); the rules every dataset shares are here.
 """
 
 import dataclasses
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -54,6 +64,33 @@ class Dataset:
 DATASETS: Registry = Registry("dataset", "dataset")
 
 
+class Gives(NamedTuple):
+  """What a dataset gives; None where its loader does not declare it (then
+  only the loaded data tells, `given`)."""
+
+  task: Optional[str]
+  dtype: Optional[str]
+  rank: Optional[int]  # Of one example.
+
+
+def gives(dataset_name: str, image_size: Optional[int] = None) -> Gives:
+  """The task, input dtype and example rank the registered dataset's loader
+  declares, when the model asks for images of `image_size` (None: it asks
+  for none)."""
+  loader = DATASETS.get(dataset_name)
+  rank = getattr(loader, "input_rank", None)
+  if image_size is not None and getattr(loader, "images", False):
+    rank = 3
+  return Gives(getattr(loader, "task", None),
+               getattr(loader, "input_dtype", None), rank)
+
+
+def given(dataset: Dataset) -> Gives:
+  """What a loaded dataset gives."""
+  return Gives(dataset.task, dataset.train_x.dtype.name,
+               len(dataset.input_shape))
+
+
 def load(config, image_size: Optional[int]) -> Dataset:
   """The run's dataset: the registered loader of `config.dataset`.
 
@@ -72,7 +109,21 @@ def load(config, image_size: Optional[int]) -> Dataset:
                          else loader.Options())
   dataset = loader(config.data_dir, config.seed, image_size, **kwargs)
   check(dataset, config.dataset)
+  _check_declaration(dataset, config.dataset,
+                     gives(config.dataset, image_size))
   return dataset
+
+
+def _check_declaration(dataset: Dataset, name: str, declared: Gives) -> None:
+  """Refuses a loader that gave other data than it declares: the parse-time
+  check of model and dataset trusted the declaration. What a loader does
+  not declare is not compared."""
+  got = given(dataset)
+  got = Gives(*(None if want is None else have
+                for want, have in zip(declared, got)))
+  if got != declared:
+    raise UserError(f"the loader of --dataset={name} declares {declared} but "
+                    f"gave {got}; fix its declaration (data/base.py says how)")
 
 
 _PARTS = (("train", "train_x", "train_y"), ("eval", "eval_x", "eval_y"))

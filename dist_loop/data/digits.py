@@ -33,3 +33,9 @@ def load(data_dir, seed, image_size=None) -> Dataset:
   x = resize_images(x, image_size)
   y = rows[:, -1].astype(np.int32)
   return holdout(x, y, 10, 0.2, HOLDOUT_SEED)
+
+
+# 8x8x1 images, or the size a model asks for.
+load.input_rank = 3
+load.images = True
+load.input_dtype, load.task = "float32", "classification"

@@ -81,3 +81,9 @@ def load(data_dir, seed, image_size=None) -> Dataset:
 
   return Dataset(images(x_train), int32_labels(y_train), images(x_test),
                  int32_labels(y_test), 10, source=path)
+
+
+# 28x28x1 images, or the size a model asks for.
+load.input_rank = 3
+load.images = True
+load.input_dtype, load.task = "float32", "classification"

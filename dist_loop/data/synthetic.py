@@ -28,3 +28,9 @@ def load(data_dir, seed, image_size=None) -> Dataset:
   hidden = np.tanh(x @ rng.randn(dim, 32) / np.sqrt(dim))
   y = np.argmax(hidden @ rng.randn(32, NUM_CLASSES), axis=1).astype(np.int32)
   return holdout(x.reshape((-1,) + shape), y, NUM_CLASSES, 0.2, DATA_SEED)
+
+
+# Feature vectors, or images of the size a model asks for.
+load.input_rank = 1
+load.images = True
+load.input_dtype, load.task = "float32", "classification"

@@ -196,3 +196,7 @@ def load_pysource(data_dir, seed, image_size=None, options=None) -> Dataset:
 
 load_text.Options = TextOptions
 load_pysource.Options = PySourceOptions
+# Windows of int32 byte ids, a next byte to predict at every position.
+load_text.input_rank = load_pysource.input_rank = 1
+load_text.input_dtype = load_pysource.input_dtype = "int32"
+load_text.task = load_pysource.task = TASK

@@ -9,8 +9,14 @@ pipeline mode cut it into stages. A builder is registered under a name:
 
 A builder may set:
 
-* `builder.image_size = 28` to ask image datasets for inputs of that size;
+* `builder.image_size = 28` to ask image datasets for inputs of that size
+  (it then takes examples of rank 3: height, width, channels);
 * `builder.input_dtype = "int32"` if its inputs are not float32 (token ids);
+* `builder.input_rank = 1` if it takes examples of one rank only (the
+  Transformer: a sequence of token ids); a model that flattens its input
+  takes any rank and declares none;
+* `builder.task = "language_model"` if its logits are not one class per
+  example (the default: "classification");
 * `builder.split_points` to name its preferred cut into K pipeline stages
   (the layer indices where stages 1..K-1 start): a dict `{K: points}`
   (`{2: (2,)}`), or a function `fn(K, num_layers) -> points or None` for a
@@ -19,13 +25,34 @@ A builder may set:
   the builder is then called with `options=`.
 """
 
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Callable, NamedTuple, Optional, Sequence, Tuple
 
 import keras
 
 from dist_loop.core.registry import Registry
 
 MODELS: Registry = Registry("model", "model")
+
+
+class Takes(NamedTuple):
+  """What a model takes, as its builder declares it (see above): checked
+  against what the dataset gives (`data.gives`) while flags are parsed, so
+  that a model and a dataset that do not fit are one line, not a Keras
+  traceback from the first build."""
+
+  task: str
+  dtype: str
+  rank: Optional[int]  # Of one example; None: any.
+
+
+def takes(model_name: str) -> Takes:
+  """The task, input dtype and example rank the registered model takes."""
+  builder = MODELS.get(model_name)
+  rank = getattr(builder, "input_rank", None)
+  if getattr(builder, "image_size", None) is not None:
+    rank = 3
+  return Takes(getattr(builder, "task", "classification"),
+               getattr(builder, "input_dtype", "float32"), rank)
 
 
 def image_size_for(model_name: str):

@@ -180,4 +180,6 @@ def split_points(num_stages: int, num_layers: int):
 
 transformer.Options = TransformerOptions
 transformer.input_dtype = "int32"
+transformer.input_rank = 1
+transformer.task = "language_model"
 transformer.split_points = split_points

@@ -17,7 +17,7 @@ checkpoint a run resumes from is `resume.py`'s.
 import collections
 import os
 import time
-from typing import Dict, Optional
+from typing import Dict, Optional, Sequence
 
 import tensorflow as tf
 from absl import logging
@@ -42,11 +42,15 @@ class Checkpointer:
     is_chief: whether this process keeps its checkpoints.
     task_index: this process's index in its job (names a non-chief's
       temporary directory).
+    fresh: items not restored until the first save (the optimizer, after
+      an allowed change of --optimizer: its slots start fresh).
   """
 
   def __init__(self, items: Dict[str, object], workdir: str, max_to_keep: int,
-               is_chief: bool = True, task_index: int = 0):
+               is_chief: bool = True, task_index: int = 0,
+               fresh: Sequence[str] = ()):
     self.items = dict(items)
+    self.fresh = tuple(fresh)
     self.workdir = workdir
     self.manager = manager(items, workdir, max_to_keep, is_chief, task_index)
     # The newest good checkpoint this process knows: restored or saved.
@@ -80,6 +84,7 @@ class Checkpointer:
           f"is removed, and {self._newest_note()}. Free some space (or fix "
           "the directory's permissions), then rerun the same command to "
           "resume from there") from None
+    self.fresh = ()  # Its checkpoints hold the new items.
     # Off the chief, the chief's copy: the worker's own is deleted.
     self._latest = self.manager.latest_checkpoint or path
     logging.info("step %d  saved checkpoint %s", step, path)
@@ -87,8 +92,12 @@ class Checkpointer:
 
   def restore(self, scope) -> Optional[str]:
     """See `resume.restore_latest`."""
+    checkpoint = None
+    if self.fresh:
+      checkpoint = tf.train.Checkpoint(**{
+          k: v for k, v in self.items.items() if k not in self.fresh})
     path = resume.restore_latest(self.manager, scope, self.items,
-                                 self.workdir)
+                                 self.workdir, checkpoint)
     self._latest = path or self._latest
     return path
 
@@ -206,6 +215,12 @@ class WorkerTempManager:
         tf.io.gfile.rmtree(self._temp_directory)
     self._latest = os.path.join(self._chief_directory, os.path.basename(path))
     return path
+
+
+def latest(directory: str) -> Optional[str]:
+  """The newest checkpoint of `directory`: the one its index names, else
+  the newest `ckpt-N` found by name; None if there is none."""
+  return _indexed(directory) or (scan_checkpoints(directory) or [None])[-1]
 
 
 def _indexed(directory: str) -> Optional[str]:

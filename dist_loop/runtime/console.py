@@ -2,30 +2,37 @@
 
 At the default `--verbosity=0` a run prints its own lines only: the start
 banner, one progress line per log interval, eval and checkpoint lines, its
-warnings and errors, and the final summary. A failure is one `error:` line;
-what TensorFlow and gRPC logged about it (a lost peer gives dozens of lines)
-is shown from `--verbosity=1` on. TensorFlow, Keras and absl log through the
-same Python loggers and the same absl handler as we do, and TensorFlow's C++
-side writes straight to file descriptor 2, so quieting them takes three
-steps:
+warnings and errors, and the final summary. The user's own code (a module
+of `--user_modules`, or any program calling the library) is the run's too:
+its info lines and warnings show like the library's. A failure is one
+`error:` line; what TensorFlow and gRPC logged about it (a lost peer gives
+dozens of lines) is shown from `--verbosity=1` on. TensorFlow, Keras and
+absl log through the same Python loggers and the same absl handler as we
+do, and TensorFlow's C++ side writes straight to file descriptor 2, so
+quieting them takes two steps:
 
 * `start(verbosity)`, before TensorFlow is imported: the C++ log level
   (`TF_CPP_MIN_LOG_LEVEL`, read once, at TensorFlow's first native log line;
   `--verbosity` sets it whatever the environment says, so one flag rules the
-  terminal), and the import itself with its native start-up notices (oneDNN,
-  absl's pre-initialisation warning) filtered out; some of them ignore
-  `TF_CPP_MIN_LOG_LEVEL`. The import is `tf_import.import_tensorflow`'s,
-  which spares it a plotting library.
+  terminal), and TensorFlow's import itself with its native start-up
+  notices (oneDNN, absl's pre-initialisation warning) filtered out; some of
+  them ignore `TF_CPP_MIN_LOG_LEVEL`. (The entry points make that import
+  cheaper: `experiments/startup.py`.)
 * `setup(verbosity)`, once flags are parsed: a filter on absl's handler that
-  tells our records (logged from dist_loop/, experiments/, tools/) from
-  everyone else's, the `tensorflow` logger's level, and a short line format.
+  tells the libraries' records from everyone else's, the `tensorflow`
+  logger's level, and a short line format. A record is a library's by its
+  logger's name (`LIBRARIES`: `tensorflow`, `keras`, `absl`, ...; Python's
+  captured warnings, `py.warnings`); a record of the loggers everyone
+  shares (absl's `absl`, Python's root) is a library's if the code that
+  logged it is in one of those packages. So a user's module logs like the
+  library wherever it lives.
 
-| --verbosity | our lines             | TensorFlow, Keras, absl (Python, C++) |
-| ----------- | --------------------- | ------------------------------------- |
-| -1, -2      | warnings, errors only | fatal only                            |
-| 0 (default) | info and up           | fatal only                            |
-| 1           | debug and up          | warnings and errors                   |
-| 2 and up    | everything            | everything                            |
+| --verbosity | the run's (ours, user's) | TensorFlow, Keras, absl (Python, C++) |
+| ----------- | ------------------------ | ------------------------------------- |
+| -1, -2      | warnings, errors only    | fatal only                            |
+| 0 (default) | info and up              | fatal only                            |
+| 1           | debug and up             | warnings and errors                   |
+| 2 and up    | everything               | everything                            |
 
 From 2 on, lines have absl's own prefix (severity, time, thread, file:line).
 
@@ -34,6 +41,8 @@ From 2 on, lines have absl's own prefix (severity, time, thread, file:line).
 
 import contextlib
 import functools
+import importlib
+import importlib.util
 import logging
 import os
 import re
@@ -43,11 +52,12 @@ from typing import Sequence
 
 from absl import logging as absl_logging
 
-from dist_loop.runtime import tf_import
-
-_REPO = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
-OUR_DIRS = tuple(os.path.join(_REPO, name) + os.sep
-                 for name in ("dist_loop", "experiments", "tools"))
+# The libraries whose records are quiet at --verbosity=0, by logger name
+# and by the package of the code that logged through a shared logger.
+LIBRARIES = ("absl", "keras", "tensorboard", "tensorflow", "tf_keras",
+             "py.warnings")
+# The loggers whose name says nothing of who logged: absl's and the root.
+_SHARED_LOGGERS = ("absl", "root")
 # A native (glog/absl) log line: severity letter, then MMDD.
 _NATIVE_LINE = re.compile(r"^([IWEF])\d{4} ")
 _NATIVE_NOTICE = "All log messages before absl::InitializeLog() is called"
@@ -84,7 +94,7 @@ def start(verbosity: int) -> None:
   with contextlib.ExitStack() as stack:
     if verbosity < 2:
       stack.enter_context(native_stderr_filtered(verbosity))
-    tf_import.import_tensorflow()
+    importlib.import_module("tensorflow")
 
 
 def keep_native_line(line: str, verbosity: int) -> bool:
@@ -119,20 +129,44 @@ def native_stderr_filtered(verbosity: int):
 
 
 @functools.lru_cache(maxsize=None)
-def is_ours(path: str) -> bool:
-  """Whether a source file is part of this repository's code."""
-  return os.path.realpath(path).startswith(OUR_DIRS)
+def _library_dirs():
+  """The directory of each installed package of `LIBRARIES`, found
+  without importing it."""
+  dirs = []
+  for name in LIBRARIES:
+    try:
+      spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+      spec = None
+    if spec is not None and spec.submodule_search_locations:
+      dirs += [os.path.realpath(d) + os.sep
+               for d in spec.submodule_search_locations]
+  return tuple(dirs)
+
+
+@functools.lru_cache(maxsize=None)
+def _in_library(path: str) -> bool:
+  return os.path.realpath(path).startswith(_library_dirs())
+
+
+def is_library_record(record: logging.LogRecord) -> bool:
+  """Whether a record is one of `LIBRARIES`': by its logger's name, or for
+  a shared logger (absl's, the root), by the package that logged it."""
+  if record.name in _SHARED_LOGGERS:
+    return _in_library(record.pathname)
+  return record.name.split(".")[0] in LIBRARIES or record.name in LIBRARIES
 
 
 class QuietFilter(logging.Filter):
-  """Passes our records from `our_level`, others' from `library_level`."""
+  """Passes the run's records (the library's and the user's) from
+  `our_level`, the libraries' from `library_level`."""
 
   def __init__(self, verbosity: int):
     super().__init__()
     self.verbosity = verbosity
 
   def filter(self, record: logging.LogRecord) -> bool:
-    ours = record.name != "tensorflow" and is_ours(record.pathname)
+    ours = not is_library_record(record)
     return record.levelno >= (our_level(self.verbosity) if ours
                               else library_level(self.verbosity))
 
@@ -169,12 +203,19 @@ def setup(verbosity: int) -> None:
   tf_logger.setLevel(library_level(verbosity))
 
 
-def banner(config, devices: Sequence[str], model, dataset) -> str:
-  """The run's first line: mode, devices, model size, data size, schedule."""
+def banner(config, devices: Sequence[str], model, dataset,
+           cluster=None) -> str:
+  """The run's first line: mode, devices (and the cluster's tasks, in a
+  run of several processes), model size, data size, schedule."""
   params = sum(int(v.shape.num_elements()) for v in model.trainable_variables)
   names = ", ".join(d.rsplit("device:", 1)[-1] for d in devices)
-  count = f"{len(devices)} device{'s' if len(devices) != 1 else ''}"
-  return (f"{config.mode} on {count} ({names})  |  {config.model}: "
+  where = f"{len(devices)} device{'s' if len(devices) != 1 else ''} ({names})"
+  if cluster is not None and cluster.num_tasks > 1:
+    plural = lambda job, n: job + ("s" if n != 1 and job != "ps" else "")
+    jobs = ", ".join(f"{len(a)} {plural(job, len(a))}"
+                     for job, a in cluster.spec.items())
+    where = f"{jobs}, this one {cluster.task_name} on {where}"
+  return (f"{config.mode} on {where}  |  {config.model}: "
           f"{params:,} parameters  |  {config.dataset}: "
           f"{len(dataset.train_y):,} train / {len(dataset.eval_y):,} eval "
           f"examples  |  {config.train_steps:,} steps of "

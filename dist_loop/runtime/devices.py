@@ -10,11 +10,36 @@ the join calls `set_threads` first; `configure` then finds them set.
 """
 
 import os
-from typing import List
+from typing import List, Mapping
 
 import tensorflow as tf
 
+from dist_loop.core.config import MAX_THREADS
 from dist_loop.core.errors import UserError
+
+# TensorFlow's own thread-count variables, read when its runtime starts,
+# and the flag each stands beside. A value it cannot take (-3) aborts the
+# process in native code, so they are checked with the flags.
+THREAD_VARIABLES = (("TF_NUM_INTRAOP_THREADS", "intra_op_threads"),
+                    ("TF_NUM_INTEROP_THREADS", "inter_op_threads"))
+
+
+def check_thread_variables(environ: Mapping[str, str]) -> None:
+  """Refuses a thread-count variable that is not a count the flag beside it
+  takes (0 to MAX_THREADS; 0 or unset: TensorFlow's default).
+
+  Raises:
+    UserError: naming the variable and the flag.
+  """
+  for name, flag in THREAD_VARIABLES:
+    value = environ.get(name)
+    if value is None or value.strip() == "":
+      continue
+    text = value.strip()
+    if not (text.isdigit() and int(text) <= MAX_THREADS):
+      raise UserError(f"{name}={value!r} in the environment is not a thread "
+                      f"count from 0 to {MAX_THREADS} (TensorFlow reads it "
+                      f"at start); unset it, or use --{flag}=N")
 
 
 def max_logical_cpus() -> int:

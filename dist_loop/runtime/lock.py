@@ -16,6 +16,7 @@ module does not import TensorFlow, so a tool can take or test the lock
 cheaply.
 """
 
+import errno
 import fcntl
 import os
 import time
@@ -25,6 +26,14 @@ from dist_loop.core.errors import UserError
 from dist_loop.runtime.checkpoint_names import newest_checkpoint_note
 
 LOCK_FILE = "lock"
+# What to do about a lock file that cannot be written, by the error's cause.
+_FIXES = {
+    errno.ENOSPC: "Free some space",
+    errno.EDQUOT: "Free some space (the disk quota is used up)",
+    errno.EACCES: "Fix the workdir's permissions",
+    errno.EPERM: "Fix the workdir's permissions",
+    errno.EROFS: "Use a workdir on a filesystem mounted read-write",
+}
 _PID_READ_TRIES = 20  # The holder writes its PID just after it locks.
 _OPEN_TRIES = 5
 
@@ -71,6 +80,11 @@ class Lock:
     """
     for _ in range(_OPEN_TRIES):
       self._make_workdir()
+      if os.path.islink(self.workdir) and not os.path.exists(self.workdir):
+        self._remove_created()
+        raise UserError(f"cannot lock --workdir={self.workdir}: it is a "
+                        "symbolic link to nothing; create its target, or "
+                        "remove the link")
       fd = self._open()
       if fd is None:
         continue  # Another process of the run removed the empty workdir.
@@ -90,6 +104,11 @@ class Lock:
       return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except FileNotFoundError:
       return None
+    except IsADirectoryError:
+      self._remove_created()
+      raise UserError(f"{self.path} is a directory, but a run keeps its lock "
+                      "file there; move it aside (nothing was changed)"
+                      ) from None
     except OSError as e:
       self._remove_created()
       raise self._unwritable("create the lock file", e) from None
@@ -107,10 +126,11 @@ class Lock:
                              e) from None
 
   def _unwritable(self, what: str, error: OSError) -> UserError:
+    fix = _FIXES.get(error.errno, "Fix what the error names")
     return UserError(
         f"cannot {what} {self.path} ({error.strerror}); nothing was written, "
-        f"and {newest_checkpoint_note(self.workdir)}. Free some space (or fix "
-        "the permissions), then rerun the same command")
+        f"and {newest_checkpoint_note(self.workdir)}. {fix}, then rerun the "
+        "same command")
 
   def _lock(self, fd: int) -> None:
     """flock, without waiting; closes `fd` and raises if it fails."""

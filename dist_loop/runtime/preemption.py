@@ -31,7 +31,7 @@ import math
 import os
 import signal
 import threading
-from typing import Callable, Optional
+from typing import Callable, ContextManager, Optional
 
 import tensorflow as tf
 from absl import logging
@@ -143,13 +143,20 @@ class Agreement:
     self._count = tf.function(self._count_fn, autograph=False)
 
   @classmethod
-  def for_run(cls, trainer, cluster) -> Optional["Agreement"]:
+  def for_run(cls, scope: Optional[Callable[[], ContextManager]],
+              cluster) -> Optional["Agreement"]:
     """The agreement of a run whose workers all run the training loop (a
     cluster of several workers and no parameter servers), or None: a run
-    of one process, or a ps run, whose chief alone trains and saves."""
+    of one process, or a ps run, whose chief alone trains and saves.
+
+    Args:
+      scope: returns the context (a strategy's scope) in which the run's
+        strategy is current, such as a trainer's `scope`.
+      cluster: the run's `Cluster`.
+    """
     if cluster.num_ps or cluster.num_trainers <= 1:
       return None
-    with trainer.scope():
+    with scope():
       return cls(tf.distribute.get_strategy())
 
   def any(self, local: bool) -> bool:

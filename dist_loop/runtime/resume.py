@@ -37,7 +37,7 @@ _READ_ERRORS = (tf.errors.OpError, ValueError, AssertionError, IndexError,
 
 
 def restore_latest(mgr, scope, items: Optional[Dict[str, object]] = None,
-                   workdir: Optional[str] = None):
+                   workdir: Optional[str] = None, checkpoint=None):
   """Restores the newest readable checkpoint under `scope`.
 
   The candidates are the checkpoints the index names, newest first, then
@@ -52,6 +52,8 @@ def restore_latest(mgr, scope, items: Optional[Dict[str, object]] = None,
     items: what the checkpoint should hold, to say what differs when it
       does not fit.
     workdir: the run's directory, to name its flags.txt in that message.
+    checkpoint: what to restore into (default `mgr.checkpoint`): a part
+      of it, whose other saved values are then not expected.
 
   Returns:
     The path restored, or None if the directory holds no checkpoint.
@@ -67,9 +69,11 @@ def restore_latest(mgr, scope, items: Optional[Dict[str, object]] = None,
   if not listed and not others:
     return None
   failures = []
+  partial = checkpoint is not None
+  checkpoint = checkpoint or mgr.checkpoint
   with scope:
-    path = _restore_first_readable(mgr.checkpoint, listed, failures, items,
-                                   workdir)
+    path = _restore_first_readable(checkpoint, listed, failures, items,
+                                   workdir, partial)
     if path is None and others:
       index = os.path.join(mgr.directory, "checkpoint")
       logging.warning(
@@ -79,8 +83,8 @@ def restore_latest(mgr, scope, items: Optional[Dict[str, object]] = None,
           "unreadable", "the other checkpoints" if listed else
           "the checkpoints it should list",
           ", ".join(os.path.basename(p) for p in others))
-      path = _restore_first_readable(mgr.checkpoint, others, failures, items,
-                                     workdir)
+      path = _restore_first_readable(checkpoint, others, failures, items,
+                                     workdir, partial)
   if path is not None:
     logging.info("Resumed from %s.", path)
     return path
@@ -91,12 +95,15 @@ def restore_latest(mgr, scope, items: Optional[Dict[str, object]] = None,
       "over")
 
 
-def _restore_first_readable(checkpoint, paths, failures, items, workdir):
+def _restore_first_readable(checkpoint, paths, failures, items, workdir,
+                            partial=False):
   for path in paths:
     status = None
     try:
       status = checkpoint.restore(path)
       status.assert_existing_objects_matched()
+      if partial:
+        status.expect_partial()
     except strategy_lib.LOST_TASK_ERRORS:
       raise  # Not this file's fault: an older one would fail the same way.
     except _READ_ERRORS as e:

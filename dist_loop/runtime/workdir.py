@@ -10,7 +10,7 @@ their names in `dist_loop/runtime/checkpoint_names.py`.
 as it was:
 
 1. `check`, read-only: the workdir can be used, flags.txt is a readable
-   flagfile with the same layout flags, and no part of the run
+   flagfile with the same layout flags and optimizer, and no part of the run
    (checkpoints/, flags.txt, summary.json, tb/) is of the wrong kind. It runs
    before TensorFlow joins a cluster, and again under the lock.
 2. `Lock` (creates the workdir if needed, and removes it again if the run
@@ -24,7 +24,7 @@ TensorFlow, so a tool can take or test the lock cheaply.
 """
 
 import os
-from typing import Sequence
+from typing import Optional, Sequence
 
 from dist_loop.core.config import Config
 from dist_loop.core.errors import UserError
@@ -57,7 +57,7 @@ def check(config: Config, dirs: Sequence[str] = ()) -> None:
   _check_location(root)
   if not os.path.isdir(root):
     return  # A new run: nothing in it to check.
-  for name in (FLAGS_FILE, SUMMARY_FILE, INDEX_FILE):
+  for name in (FLAGS_FILE, SUMMARY_FILE, INDEX_FILE, LOCK_FILE):
     _expect_kind(os.path.join(root, name), is_dir=False)
   for name in (CHECKPOINT_DIR, *dirs):
     _expect_kind(os.path.join(root, name), is_dir=True)
@@ -74,22 +74,47 @@ def _check_location(root: str) -> None:
       raise UserError(f"--workdir={root} is a file, not a directory; use "
                       "another --workdir, or move the file aside")
     if not os.access(path, os.R_OK | os.W_OK | os.X_OK):
-      raise UserError(f"--workdir={root} is not writable by this user; use "
+      raise UserError(f"--workdir={root} {_why_unwritable(path)}; use "
                       "another --workdir")
     return
-  parent = os.path.dirname(path)
+  parent = path
   while not os.path.exists(parent):
+    _refuse_dangling_link(parent, f"--workdir={root}")
     parent = os.path.dirname(parent)
   if not os.path.isdir(parent):
     raise UserError(f"--workdir={root} cannot be created: {parent} is a "
                     "file; use another --workdir")
   if not os.access(parent, os.W_OK | os.X_OK):
-    raise UserError(f"--workdir={root} cannot be created: {parent} is not "
-                    "writable; use another --workdir")
+    raise UserError(f"--workdir={root} cannot be created: {parent} "
+                    f"{_why_unwritable(parent)}; use another --workdir")
+
+
+def _why_unwritable(path: str) -> str:
+  """Why this process cannot write in the directory `path`: its filesystem
+  is mounted read-only (which holds for root too), or its permissions."""
+  try:
+    read_only = bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+  except OSError:
+    read_only = False
+  if read_only:
+    return "is on a read-only filesystem"
+  return "is not writable by this user"
+
+
+def _refuse_dangling_link(path: str, what: str) -> None:
+  """Raises if `path` is a symbolic link to nothing (it exists as a name,
+  so it can be neither created nor used)."""
+  if os.path.islink(path) and not os.path.exists(path):
+    raise UserError(f"{what}: {path} is a symbolic link to "
+                    f"{os.readlink(path)}, which does not exist; create that "
+                    "directory, or remove the link")
 
 
 def _expect_kind(path: str, is_dir: bool) -> None:
-  if not os.path.lexists(path) or os.path.isdir(path) == is_dir:
+  if not os.path.lexists(path):
+    return
+  _refuse_dangling_link(path, "this workdir cannot be used")
+  if os.path.isdir(path) == is_dir:
     return
   what, should = (("a file", "a directory") if is_dir
                   else ("a directory", "a file"))
@@ -132,12 +157,31 @@ def _not_a_flagfile(path: str, why: str) -> UserError:
                    "rewrite it")
 
 
+def previous_flags(config: Config) -> Optional[str]:
+  """The flags.txt a previous run left, or None (none, or not a flagfile:
+  `check` refuses that unless --allow_config_change)."""
+  path = os.path.join(config.workdir, FLAGS_FILE)
+  try:
+    return read_flags(path) if os.path.isfile(path) else None
+  except UserError:
+    return None
+
+
 def _check_flags(config: Config) -> None:
-  """flags.txt is a flagfile with the same layout flags as `config`."""
+  """flags.txt is a flagfile with the same layout flags and optimizer as
+  `config`."""
   path = os.path.join(config.workdir, FLAGS_FILE)
   if config.allow_config_change or not os.path.exists(path):
     return
-  changes = config.layout_changes(read_flags(path))
+  previous = read_flags(path)
+  old = config.optimizer_change(previous)
+  if old is not None:
+    raise UserError(
+        f"{config.workdir} was trained with --optimizer={old}, and this run "
+        f"asks for --optimizer={config.optimizer}; rerun with --optimizer="
+        f"{old}, or pass --allow_config_change to start {config.optimizer}'s "
+        "slots fresh")
+  changes = config.layout_changes(previous)
   if changes:
     raise UserError(
         f"{config.workdir} holds a run with other settings "

@@ -15,15 +15,28 @@ variable and device copy, as Keras writes it, is cheap to run but slow to
 trace: the sharding and Transformer tests took 88 s of CPU with it and 77 s
 with one (one run each). Local SGD's replicas each decide for themselves
 (`per_replica_ok`).
+
+The recipe (`Recipe`): every mode takes the update's rate from the run's
+schedule (`schedules.py`) as a function of the step, and passes it here; the
+optimizer's own `_learning_rate` variable is only written (so a checkpoint
+shows the rate of its last update), never read, so a restore cannot put an
+old rate back. Global-norm clipping (`clip_by_global_norm`) scales the
+reduced gradient where a mode knows its norm: after the all-reduce (sync,
+pipeline), after the scalar all-reduce of the shards' squared norms
+(`--shard`), per inner step on each replica's own gradient (local SGD), per
+push on the master (async, ps). Weight decay (`make`) is decoupled, as in
+AdamW: `w -= lr * wd * w` before the optimizer's update, at the update's
+(scheduled) rate, skipping variables of rank < 2.
 """
 
-from typing import List, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import keras
 import tensorflow as tf
 
 from dist_loop.core.registry import Registry
 from dist_loop.runtime import strategy as strategy_lib
+from dist_loop.training import schedules
 
 OPTIMIZERS: Registry = Registry("optimizer", "optimizer")
 
@@ -69,15 +82,87 @@ def elementwise_names():
   return [n for n in OPTIMIZERS.names() if is_elementwise(n)]
 
 
-def make(name: str, learning_rate: float,
-         variables: Sequence[tf.Variable]) -> keras.optimizers.Optimizer:
+def make(name: str, learning_rate: float, variables: Sequence[tf.Variable],
+         weight_decay: float = -1.0,
+         decayed: Optional[Sequence[bool]] = None
+         ) -> keras.optimizers.Optimizer:
   """Builds the named optimizer and its slots for `variables`.
 
   Call under the strategy's scope, so the slots are mirrored like the model.
+
+  Args:
+    name: a registered optimizer.
+    learning_rate: the initial value of its rate variable (every update
+      passes its own rate to `apply_reduced`).
+    variables: what it updates.
+    weight_decay: decoupled weight decay (`--weight_decay`); -1: the
+      optimizer's own (Keras: AdamW's 0.004 on every variable).
+    decayed: per variable, whether it decays; default: rank >= 2 (not
+      biases, nor normalisation scales and offsets). A sharded run passes
+      its model variables' (its own variables are flat shards).
   """
   optimizer = OPTIMIZERS.get(name)(learning_rate)
-  optimizer.build(list(variables))
+  variables = list(variables)
+  if weight_decay >= 0.0:
+    if decayed is None:
+      decayed = [len(v.shape) >= 2 for v in variables]
+    optimizer.weight_decay = weight_decay or None
+    optimizer.exclude_from_weight_decay(
+        var_list=[v for v, d in zip(variables, decayed) if not d])
+  optimizer.build(variables)
   return optimizer
+
+
+class Recipe:
+  """The update's rate and clipping, from the config; every mode applies
+  it between its reduced gradient and `apply_reduced`.
+
+  Args:
+    config: the run's `Config` (`lr_schedule` and its options,
+      `warmup_steps`, `learning_rate`, `clip_global_norm`).
+  """
+
+  CLIPPED = "clipped_fraction"  # A mean over updates: 1 if clipped, else 0.
+
+  def __init__(self, config):
+    self.schedule = schedules.make(config)
+    self.clip_norm = config.clip_global_norm
+
+  def rate(self, step) -> tf.Tensor:
+    """The float32 rate of the update that moves the step counter from
+    `step` (a value read before the update) to `step + 1`."""
+    return self.schedule.rate(tf.cast(step, tf.int64) + 1)
+
+  @property
+  def mean_keys(self) -> Tuple[str, ...]:
+    """The keys `clip` adds to a step's means."""
+    return (self.CLIPPED,) if self.clip_norm else ()
+
+  def clip(self, grads: Sequence[tf.Tensor], norm: tf.Tensor
+           ) -> Tuple[List[tf.Tensor], Dict[str, tf.Tensor]]:
+    """`clip_by_global_norm` at `--clip_global_norm`; returns (grads,
+    {CLIPPED: 1.0 or 0.0}), or the gradients and {} without clipping."""
+    if not self.clip_norm:
+      return list(grads), {}
+    grads, clipped = clip_by_global_norm(grads, norm, self.clip_norm)
+    return grads, {self.CLIPPED: tf.cast(clipped, tf.float32)}
+
+
+def clip_by_global_norm(grads: Sequence[tf.Tensor], norm: tf.Tensor,
+                        clip_norm: float):
+  """The gradients scaled by clip_norm / max(norm, clip_norm).
+
+  `norm` is the global norm of the whole reduced gradient, computed by the
+  caller (a sharded step holds only a shard of it). A gradient within the
+  bound is multiplied by exactly 1. A non-finite norm makes every gradient
+  non-finite, so the step is not applied, as without clipping.
+
+  Returns:
+    (gradients, clipped: whether the norm was above clip_norm).
+  """
+  norm = tf.cast(norm, tf.float32)
+  factor = clip_norm / tf.maximum(norm, clip_norm)
+  return [g * tf.cast(factor, g.dtype) for g in grads], norm > clip_norm
 
 
 def all_finite(grads: Sequence[tf.Tensor]) -> tf.Tensor:
@@ -88,7 +173,8 @@ def all_finite(grads: Sequence[tf.Tensor]) -> tf.Tensor:
 def apply_reduced(optimizer: keras.optimizers.Optimizer,
                   grads: Sequence[tf.Tensor], variables: Sequence,
                   ok: tf.Tensor, lr_scale=None,
-                  per_replica_ok: bool = False) -> tf.Tensor:
+                  per_replica_ok: bool = False,
+                  learning_rate: Optional[tf.Tensor] = None) -> tf.Tensor:
   """Applies gradients that were already all-reduced, once, if `ok`.
 
   Call in replica context (inside `strategy.run`), outside any strategy, or
@@ -105,12 +191,17 @@ def apply_reduced(optimizer: keras.optimizers.Optimizer,
       times it (the async mode's staleness policies). None: the plain rate.
     per_replica_ok: each replica has its own `ok` and applies its own
       update, or not (local SGD's replicas, whose copies differ).
+    learning_rate: the float32 rate of this update (`Recipe.rate`),
+      written into the optimizer's rate variable; None: that variable's
+      value (local SGD's outer optimizer, which has no schedule).
 
   Returns:
     `ok`, available only once every update has run, so callers can order
     work after the update (the ps mode's lock is released after it).
   """
   kwargs = {} if lr_scale is None else {"lr_scale": lr_scale}
+  if learning_rate is not None:
+    kwargs["learning_rate"] = learning_rate
   done = strategy_lib.cross_replica_call(
       _update, optimizer, list(grads), [_tf_variable(v) for v in variables],
       ok, per_replica_ok=per_replica_ok, **kwargs)
@@ -119,7 +210,7 @@ def apply_reduced(optimizer: keras.optimizers.Optimizer,
 
 
 def _update(strategy, optimizer, grads, variables, ok, lr_scale=None,
-            per_replica_ok=False):
+            per_replica_ok=False, learning_rate=None):
   """Cross-replica half of `apply_reduced`: one update per device copy.
   Decoupled weight decay (AdamW) comes first, as in Keras's `apply`."""
   wd = getattr(optimizer, "weight_decay", None)
@@ -127,8 +218,8 @@ def _update(strategy, optimizer, grads, variables, ok, lr_scale=None,
   def update_for(var):
     decay = wd is not None and optimizer._use_weight_decay(var)  # pylint: disable=protected-access
 
-    def update(copy, grad):
-      lr = tf.cast(optimizer.learning_rate, copy.dtype)
+    def update(copy, grad, *rate):
+      lr = tf.cast(rate[0] if rate else optimizer.learning_rate, copy.dtype)
       if decay:
         copy.assign_sub(copy * tf.cast(wd, copy.dtype) * lr)
       if lr_scale is not None:
@@ -136,17 +227,19 @@ def _update(strategy, optimizer, grads, variables, ok, lr_scale=None,
       optimizer.update_step(grad, copy, lr)
       return tf.constant(True)
 
-    def update_if(copy, grad, apply):
-      return tf.cond(apply, lambda: update(copy, grad),
+    def update_if(copy, grad, apply, *rate):
+      return tf.cond(apply, lambda: update(copy, grad, *rate),
                      lambda: tf.constant(False))
 
     return update_if if per_replica_ok else update
 
+  rate = () if learning_rate is None else (learning_rate,)
+
   def update_all():
     extra = (ok,) if per_replica_ok else ()
     return _local_results(strategy, [
-        strategy.extended.update(var, update_for(var), args=(grad, *extra),
-                                 group=False)
+        strategy.extended.update(var, update_for(var),
+                                 args=(grad, *extra, *rate), group=False)
         for grad, var in zip(grads, variables)])
 
   def applied():
@@ -162,6 +255,11 @@ def _update(strategy, optimizer, grads, variables, ok, lr_scale=None,
       _tf_variable(optimizer.iterations),
       lambda it, apply: it.assign_add(tf.cast(apply, it.dtype)).read_value(),
       args=(ok,), group=False)])
+  if rate:  # What a checkpoint shows; never read back (module docstring).
+    rate_variable = _tf_variable(optimizer._learning_rate)  # pylint: disable=protected-access
+    done += _local_results(strategy, [strategy.extended.update(
+        rate_variable, lambda v, r: v.assign(r).read_value(), args=rate,
+        group=False)])
   return done
 
 

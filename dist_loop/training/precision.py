@@ -58,21 +58,27 @@ def make_loss_scale(precision: str) -> Optional["DynamicLossScale"]:
 
 
 def unscale_and_apply(optimizer, grads, variables,
-                      loss_scale: Optional["DynamicLossScale"], scale):
+                      loss_scale: Optional["DynamicLossScale"], scale,
+                      recipe: "optim.Recipe", step):
   """The end of a synchronous step (sync and pipeline modes): steps 3-5 above.
 
   `grads` are reduced and, with loss scaling, multiplied by `scale`, the
-  value the step's loss was multiplied by. Unscales them, applies them once
-  if all are finite (else the step is skipped on every replica alike), and
-  moves the scale. Returns (unscaled grads, ok).
+  value the step's loss was multiplied by. Unscales them, clips them by
+  their global norm (`recipe`), applies them once at the rate of the
+  update after `step` if all are finite (else the step is skipped on every
+  replica alike), and moves the scale. Returns (ok, means): `grad_norm`,
+  the unclipped norm, and the recipe's `clipped_fraction` if it clips.
   """
   if scale is not None:
     grads = [g / scale for g in grads]
   ok = optim.all_finite(grads)
-  optim.apply_reduced(optimizer, grads, variables, ok)
+  norm = tf.linalg.global_norm(grads)
+  grads, means = recipe.clip(grads, norm)
+  optim.apply_reduced(optimizer, grads, variables, ok,
+                      learning_rate=recipe.rate(step))
   if loss_scale is not None:
     loss_scale.update(ok)
-  return grads, ok
+  return ok, {"grad_norm": norm, **means}
 
 
 class DynamicLossScale(tf.Module):

@@ -1,9 +1,5 @@
-"""Research extensions: each module registers a model, dataset, optimizer,
-mode, policy or schedule. Importing this package makes them selectable by
-flag; the library itself is not edited."""
-
-from experiments.extensions import residual_cnn  # pylint: disable=unused-import
-from experiments.extensions import eager_1f1b  # pylint: disable=unused-import
-from experiments.extensions import exp_staleness  # pylint: disable=unused-import
-from experiments.extensions import single_device  # pylint: disable=unused-import
-from experiments.extensions import randomk  # pylint: disable=unused-import
+"""Worked examples of research code: each module registers a model, mode,
+policy, schedule or compressor. Nothing imports them: a run loads the ones
+it uses by flag, as it loads a user's own module from anywhere,
+`--user_modules=experiments.extensions.residual_cnn` (see
+`experiments/user_modules.py`)."""

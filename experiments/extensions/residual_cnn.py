@@ -1,8 +1,9 @@
 """Worked example: a deeper residual CNN for digits, as one file.
 
 It shows the whole recipe for a new model: a builder that returns an ordered
-list of Keras layers ending in logits, one `@MODELS.register`, and an import
-in `experiments/extensions/__init__.py`. Because the list is flat, the
+list of Keras layers ending in logits, one `@MODELS.register`, and
+`--user_modules=experiments.extensions.residual_cnn` on the command line
+(or in the flagfile) to load it. Because the list is flat, the
 pipeline mode can cut it into stages without knowing anything about it:
 `residual_cnn_pipeline.flags` splits it into 4 stages, two layers each.
 

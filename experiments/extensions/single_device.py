@@ -61,7 +61,8 @@ class SingleDeviceTrainer(LoopTrainer):
     with tf.device(devices[0]):
       self.model = models.build_for(config, dataset)
       self.optimizer = optim.make(config.optimizer, config.learning_rate,
-                                  self.model.trainable_variables)
+                                  self.model.trainable_variables,
+                                  config.weight_decay)
       self.loss_scale = precision_lib.make_loss_scale(config.precision)
       self.step = tf.Variable(0, dtype=tf.int64, trainable=False,
                               name="step")
@@ -77,13 +78,13 @@ class SingleDeviceTrainer(LoopTrainer):
         self.task, self.model, x, y, chunks=chunks,
         examples_per_update=self.examples_per_step, contributors=chunks,
         scale=scale)
-    grads, ok = precision_lib.unscale_and_apply(
+    ok, means = precision_lib.unscale_and_apply(
         self.optimizer, grads, self.model.trainable_variables,
-        self.loss_scale, scale)
-    return shares, tf.linalg.global_norm(grads), ok
+        self.loss_scale, scale, self.recipe, self.step)
+    return shares, means, ok
 
   def replica_step(self, batch, variant):
     del variant
     with tf.device(self.devices[0]):
-      shares, grad_norm, ok = self._update(*batch)
-    return StepResult(shares, ok, {"grad_norm": grad_norm})
+      shares, means, ok = self._update(*batch)
+    return StepResult(shares, ok, means)

@@ -79,6 +79,11 @@ def bench_bytes(data_dir, seed, image_size=None):
   return Dataset(x, y, x[:16], y[:16], VOCAB, task="language_model")
 
 
+# What each takes and gives (dist_loop/models/base.py, data/base.py).
+bench_mlp.input_rank = bench_features.input_rank = 1
+bench_bytes.input_rank, bench_bytes.input_dtype = 1, "int32"
+bench_bytes.task = "language_model"
+
 _SEQ_LEN = [128]
 
 

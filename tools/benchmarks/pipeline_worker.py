@@ -58,7 +58,9 @@ def _trainer(names, spec, variant):
 def serve(spec: Dict) -> None:
   """Builds `spec`'s variants, then answers rounds on stdin (above)."""
   from dist_loop.runtime import console  # pylint: disable=g-import-not-at-top
-  console.start(-1)  # Imports TensorFlow, quietly.
+  from experiments import startup  # pylint: disable=g-import-not-at-top
+  with startup.matplotlib_deferred():
+    console.start(-1)  # Imports TensorFlow, quietly.
   console.setup(-1)
   from dist_loop.models import MODELS  # pylint: disable=g-import-not-at-top
   from dist_loop.parallel.modes.pipeline import timeline  # pylint: disable=g-import-not-at-top

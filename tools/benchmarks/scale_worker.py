@@ -88,8 +88,7 @@ class Worker:
     out = {"peak_rss_mb": resource.getrusage(
         resource.RUSAGE_SELF).ru_maxrss / 1024.0}
     if name is not None:
-      from dist_loop.parallel.sharding import accounting  # pylint: disable=g-import-not-at-top
-      out.update(accounting.memory(self.trainers[name]))
+      out.update(self.trainers[name].memory())
     return out
 
   def train(self, name, steps):

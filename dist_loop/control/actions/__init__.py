@@ -37,7 +37,8 @@ class Inputs:
     metric_names: the task's metrics (the progress line).
     reported_names: what the task reports, derived metrics included
       (summary.json's `train_<name>`).
-    learning_rate: returns the optimizer's current learning rate.
+    learning_rate: `fn(step)`: the learning rate of the update that reached
+      `step`.
     devices: the run's devices (peak memory).
     model: the model holding the master variables (histograms).
     probe_batch: a fixed batch (x, y) of training examples (histograms).
@@ -55,7 +56,7 @@ class Inputs:
   checkpointer: Any
   metric_names: Sequence[str]
   reported_names: Sequence[str]
-  learning_rate: Callable[[], float]
+  learning_rate: Callable[[int], float]
   devices: Sequence[str]
   model: Any = None
   probe_batch: Optional[Tuple[Any, Any]] = None

@@ -3,15 +3,16 @@
 At each log line: the means of the train metrics since the last line, each
 averaged over the updates that produced it (a skipped step has no loss, so a
 line whose steps were all skipped prints `loss -`, never a 0); the rates;
-the learning rate; memory; and the mode's `Reporting.report()`.
+the learning rate of the step logged; memory; and the mode's
+`Reporting.report()`.
 
 `Log` also keeps the train values of summary.json (the last logged value of
-each metric the task reports) and the two losses a divergence is judged by
-(`dist_loop/control/divergence.py`): the last logged loss and the loss of the
-run's first step. For that first loss it ends the run's first inner loop after one
-step: a mean over a longer first window already holds the blow-up of a run
-that is unstable from its first steps (SGD at --learning_rate=1e6 on the
-digits reaches a loss of 1e25 within 10 steps).
+each metric the task reports, and `train_learning_rate`) and the two losses
+a divergence is judged by (`dist_loop/control/divergence.py`): the last logged
+loss and the loss of the run's first step. For that first loss it ends the run's
+first inner loop after one step: a mean over a longer first window already
+holds the blow-up of a run that is unstable from its first steps (SGD at
+--learning_rate=1e6 on the digits reaches a loss of 1e25 within 10 steps).
 """
 
 import datetime
@@ -36,7 +37,8 @@ class Log(Action):
     metric_names: the task's metrics, shown on the line in this order.
     reported_names: what the task reports (its metrics and derived ones,
       such as `bits_per_byte`): summary.json's `train_<name>` entries.
-    learning_rate: returns the optimizer's current learning rate.
+    learning_rate: `fn(step)`: the learning rate of the update that
+      reached `step` (the schedule's, a function of the step).
     devices: the run's devices (peak memory).
     report: the mode's `Reporting.report` (returns a `Report`), or None.
     tokens_per_example: predictions per example; above 1 the line shows
@@ -49,7 +51,7 @@ class Log(Action):
 
   def __init__(self, every: int, train_steps: int, summaries, *,
                metric_names: Sequence[str], reported_names: Sequence[str],
-               learning_rate: Callable[[], float], devices: Sequence[str],
+               learning_rate: Callable[[int], float], devices: Sequence[str],
                report: Optional[Callable[[], object]] = None,
                tokens_per_example: int = 1,
                previous: Optional[Mapping[str, object]] = None):
@@ -67,7 +69,8 @@ class Log(Action):
     self.first_loss: Optional[float] = previous.get("first_train_loss")
     self._last: Dict[str, float] = {
         f"train/{name}": previous[f"train_{name}"]
-        for name in self._reported_names if f"train_{name}" in previous}
+        for name in self._reported_names + ("learning_rate",)
+        if f"train_{name}" in previous}
     self._first_stop: Optional[int] = None
     self._skipped_total = 0
     self._reset()
@@ -121,8 +124,10 @@ class Log(Action):
     if self._tokens_per_example > 1:
       rates["train/tokens_per_sec"] = (rates["train/examples_per_sec"]
                                        * self._tokens_per_example)
+    self._last["train/learning_rate"] = self._learning_rate(step)
     self._summaries.scalars(step, {
-        **means, **rates, "train/learning_rate": self._learning_rate(),
+        **means, **rates,
+        "train/learning_rate": self._last["train/learning_rate"],
         "nonfinite/skipped_steps": self._skipped_total,
         **peak_memory_mb(self._devices)})
     if self._report is not None:
@@ -138,10 +143,11 @@ class Log(Action):
 
   def summary(self) -> Dict[str, object]:
     """summary.json's train entries: the last logged value of each metric
-    the task reports (None if no update was ever applied), and
-    `first_train_loss`, the loss divergence is measured against."""
+    the task reports (None if no update was ever applied), the last logged
+    learning rate, and `first_train_loss`, the loss divergence is measured
+    against."""
     out = {f"train_{name}": self._last.get(f"train/{name}")
-           for name in self._reported_names}
+           for name in self._reported_names + ("learning_rate",)}
     out["first_train_loss"] = self.first_loss
     return out
 

@@ -9,6 +9,7 @@ and `topk` (sparse, error feedback), or one an extension registers. See
 
 from dist_loop.parallel.compression import cast, powersgd, topk  # Register them.
 from dist_loop.parallel.compression import wire
+from dist_loop.runtime import user_code
 from dist_loop.parallel.compression.base import (COMPRESSORS, Compressor,
                                         check_options, is_compressible,
                                         matrix_shape, nbytes, pack, unpack)
@@ -18,8 +19,10 @@ from dist_loop.parallel.compression.state import State
 def make(options, variables, seed: int = 0) -> Compressor:
   """The compressor `options.allreduce_compression` names, for gradients
   of `variables`."""
-  return COMPRESSORS.get(options.allreduce_compression)(options, variables,
-                                                         seed)
+  compressor = COMPRESSORS.get(options.allreduce_compression)(
+      options, variables, seed)
+  user_code.convert_method(compressor, "reduce")  # An extension's: AutoGraph.
+  return compressor
 
 
 __all__ = ["COMPRESSORS", "Compressor", "State", "cast", "check_options",

@@ -6,7 +6,7 @@ from dist_loop.parallel.modes import pipeline  # pylint: disable=unused-import
 from dist_loop.parallel.modes import ps  # pylint: disable=unused-import
 from dist_loop.parallel.modes import sync  # Registers the modes.
 from dist_loop.parallel.modes.base import MODES, Report, Reporting, Trainer
-from dist_loop.parallel.modes.loop import LoopTrainer, StepResult
+from dist_loop.parallel.modes.loop import LoopEnd, LoopTrainer, StepResult
 
 
 def build_trainer(config, devices, dataset, cluster) -> Trainer:
@@ -14,5 +14,5 @@ def build_trainer(config, devices, dataset, cluster) -> Trainer:
   return MODES.get(config.mode)(config, devices, dataset, cluster)
 
 
-__all__ = ["MODES", "LoopTrainer", "Report", "Reporting", "StepResult",
+__all__ = ["MODES", "LoopEnd", "LoopTrainer", "Report", "Reporting", "StepResult",
            "Trainer", "build_trainer"]

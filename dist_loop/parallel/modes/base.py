@@ -25,6 +25,7 @@ from dist_loop.core.errors import UserError
 from dist_loop.core.registry import Registry
 from dist_loop.data import Dataset
 from dist_loop.runtime.cluster import Cluster
+from dist_loop.training import optim
 
 MODES: Registry = Registry("mode", "mode")
 
@@ -43,6 +44,7 @@ class Trainer(abc.ABC):
     model: the `keras.Sequential` holding the master variables; evaluation
       and checkpoints read it.
     optimizer: the optimizer whose slots are checkpointed.
+    recipe: the update's learning rate and clipping (`optim.Recipe`).
     step: int64 `tf.Variable`, the number of steps so far. A step moves it
       by one and applies one update, unless the step is skipped (its
       update was not applied: `train/skipped_steps`). In async and ps it
@@ -135,6 +137,7 @@ class Trainer(abc.ABC):
     self.dataset = dataset
     self.cluster = cluster
     self.task = tasks.for_dataset(dataset)
+    self.recipe = optim.Recipe(config)
     self.examples_per_step = config.global_batch_size * config.grad_accum_steps
 
   @abc.abstractmethod

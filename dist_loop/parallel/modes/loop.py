@@ -1,16 +1,18 @@
-"""The loop base: a mode that applies one update per step writes its build
-and its step, and nothing else.
+"""The loop base: a mode that applies one update per step writes its build,
+its step, and at most a hook on each side of an inner loop.
 
 Orbit's `StandardTrainer` lets a trainer write only `train_step`; this is the
 same idea for the modes whose every step is one update (sync, pipeline,
 local_sgd, single_device). A mode builds its model, optimizer, `step`
-variable and optional `strategy` in `__init__`, and implements
-`replica_step(batch, variant) -> StepResult`. `LoopTrainer.train(n)` owns
-the rest, written once:
+variable and optional `strategy` in `__init__`, implements
+`replica_step(batch, variant) -> StepResult`, and may write a hook on each
+side of an inner loop (`loop_begin`, `loop_end`), as Orbit's
+`train_loop_begin` / `train_loop_end`. `LoopTrainer.train(n)` owns the
+rest, written once:
 
 1. **The input.** Built on first use from the step the run is at, so a
    resume or a rollback jumps to its position; read on the host and cut
-   per replica in the traced step (`data/stream.py`, `make_iterator`).
+   per replica in the traced step (`data/stream.py`, `_make_iterator`).
    `close` and `on_restore` drop it (`_drop_input`).
 2. **The traced loop** (`_loop_fn`): `n` steps per `tf.function` call.
    A step runs `replica_step` on every replica (`run_replicas`), advances
@@ -36,25 +38,30 @@ the rest, written once:
 5. **The metric tail** (`base.train_metrics`): means over applied steps,
    the task's report, the `train/` names.
 
-`variant` names one traced loop among several a mode may run (`segments`
+`variant` names one traced loop among several a mode may run (`loop_begin`
 splits a call among them): the pipeline's timed and untimed steps, sync's
 exact warm-up before a compressor starts. Modes with one loop ignore it.
+What a mode needs besides its step reaches it as a value: `loop_begin`
+gets the step the call starts at and its length, `loop_end` the call's
+wall time, whether it traced, and the updates each variant applied
+(`LoopEnd`). A mode never reads the controller's schedule.
 
-**No AutoGraph.** The loop is traced with `autograph=False`, as is every
-`tf.function` of the repository (and the input's tf.data functions): a
-step's Python runs once, at trace time, and control flow on tensors is
-written out (`tf.while_loop` here and in `step.accumulated_gradients`,
-`tf.cond` in local SGD's `after_step`). So `replica_step` must not branch
-on a tensor with `if` or loop over one with `for`; Python control flow on
-Python values (options, layers) is fine.
-AutoGraph converted the loop and everything it calls from source at every
-process start: a 4-step sync run took 10.7-11.9 s of CPU with it and
-7.5-7.8 s without (2 runs each), paid again by every worker and restart.
+**AutoGraph for the mode's code, not the loop's.** The loop is traced with
+`autograph=False`, as is every `tf.function` of the library (and the
+input's tf.data functions), so its Python runs once, at trace time, and
+its control flow on tensors is written out (`tf.while_loop` here and in
+`step.accumulated_gradients`). A mode written outside dist_loop has its
+`replica_step` and `after_step` converted with AutoGraph when the loop is
+first traced (`dist_loop/runtime/user_code.py`), so a Python `if` on a tensor or
+a `for` over `tf.range` works there as in TensorFlow's guides; a class that
+sets `autograph = False` opts out. The library's own modes are not
+converted (`user_code.py` says why).
 """
 
 import abc
 import dataclasses
-from typing import Any, Dict, Hashable, List, Optional, Tuple
+import time
+from typing import Dict, Hashable, List, Optional, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -62,6 +69,7 @@ import tensorflow as tf
 from dist_loop.core.errors import NonFiniteError
 from dist_loop.data import input_metrics, stream, train_dataset_fn
 from dist_loop.parallel.modes.base import Trainer, train_metrics
+from dist_loop.runtime import user_code
 from dist_loop.training import step as step_core
 
 Variant = Optional[Hashable]
@@ -78,20 +86,37 @@ class StepResult:
     applied: bool scalar: the update was applied. In a mode whose replicas
       apply one update together, the same on every replica.
     means: float32 scalars each replica reports on its own, averaged over
-      replicas (and over steps), at least those `mean_keys` names
-      (`grad_norm`: the norm of the reduced gradient).
-    carry: any nest of tensors kept from the last step that ran (the
-      pipeline's timestamps).
+      replicas (and over steps): the mode's `reported_means` (`grad_norm`:
+      the norm of the reduced gradient).
   """
 
   shares: Dict[str, tf.Tensor]
   applied: tf.Tensor
   means: Dict[str, tf.Tensor] = dataclasses.field(default_factory=dict)
-  carry: Any = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopEnd:
+  """What `loop_end` learns of the call that just ended.
+
+  Attributes:
+    seconds: the call's wall time.
+    traced: whether the call traced a loop (its time is then mostly not
+      the steps').
+    applied: {variant: updates applied by its steps in this call}.
+  """
+
+  seconds: float
+  traced: bool
+  applied: Dict[Variant, int]
 
 
 class LoopTrainer(Trainer):
   """The base of the modes that apply one update per step.
+
+  What a mode writes: its build (`__init__`), `replica_step`, and if it
+  needs them `loop_begin`, `loop_end` and the traced `after_step`; and two
+  class attributes, `replicas_agree` and `reported_means`.
 
   Attributes a subclass sets in `__init__` (besides `Trainer`'s):
     strategy: the `tf.distribute.Strategy` whose replicas run
@@ -103,8 +128,8 @@ class LoopTrainer(Trainer):
   # Whether every replica applies the same update (so a bad step is bad on
   # all of them, and the loop can stop at it). False for local SGD.
   replicas_agree = True
-  # The `mean_keys` that `train` returns (a name without "/" gets the
-  # `train/` prefix); the others only reach `on_segment`.
+  # The keys of `StepResult.means`, which `train` returns (a name without
+  # "/" gets the `train/` prefix).
   reported_means: Tuple[str, ...] = ("grad_norm",)
 
   def __init__(self, config, devices, dataset, cluster):
@@ -119,36 +144,23 @@ class LoopTrainer(Trainer):
   def replica_step(self, batch, variant: Variant) -> StepResult:
     """One step on one replica, in replica context (or directly)."""
 
-  def mean_keys(self, variant: Variant) -> Tuple[str, ...]:
-    """The keys of `StepResult.means` of `variant`'s steps."""
-    del variant
-    return ("grad_norm",)
+  def loop_begin(self, start: int, num_steps: int
+                 ) -> List[Tuple[int, Variant]]:
+    """Before a call of `num_steps` from step `start` (after a restore:
+    per-replica state back into the replicas). Returns how the call is
+    split among the traced loops: [(steps, variant)], in order."""
+    del start
+    return [(num_steps, None)]
+
+  def loop_end(self, end: LoopEnd) -> None:
+    """After a call whose steps were all good (host work: a refresh, a
+    measurement)."""
 
   def after_step(self) -> None:
     """Traced after every step, in cross-replica context, once the step
     counter has advanced."""
 
-  def segments(self, start: int, num_steps: int) -> List[Tuple[int, Variant]]:
-    """How a call of `num_steps` from step `start` is split among the
-    traced loops: [(steps, variant)], in order."""
-    del start
-    return [(num_steps, None)]
-
-  def initial_carry(self, variant: Variant):
-    """The carry before a loop's first step (`StepResult.carry`)."""
-    del variant
-    return ()
-
-  def on_segment(self, variant: Variant, means: Dict[str, float],
-                 carry) -> None:
-    """After each segment of a call that applied at least one update, with
-    its means and the last step's carry (numpy)."""
-
-  def before_train(self) -> None:
-    """At the start of every `train` call (after a restore: per-replica
-    state back into the replicas)."""
-
-  def make_iterator(self, dataset_fn):
+  def _make_iterator(self, dataset_fn):
     """The iterator of this process's training input, read once per step
     by the traced loop: the step's batch, or with a strategy the local
     replicas' batches stacked (`data/stream.py: replica_input`), which
@@ -172,22 +184,25 @@ class LoopTrainer(Trainer):
     return sum(self.trace_counts.values())
 
   def train(self, num_steps: int) -> Dict[str, float]:
-    self.before_train()
+    t0, traces = time.perf_counter(), self.trace_count
+    segments = self.loop_begin(int(self.step.numpy()), num_steps)
     iterator = self._input()
     totals = step_core.LoopSums()
-    for count, variant in self.segments(int(self.step.numpy()), num_steps):
-      rows, bad_step, carry = self._loop(variant)(
-          iterator, tf.constant(count, tf.int64))
-      part = step_core.LoopSums(self.task.metric_names,
-                                self.mean_keys(variant), np.asarray(rows))
-      totals.add(part, keys=self.task.metric_names + self.reported_means)
+    keys = self.task.metric_names + self._mean_keys()
+    applied: Dict[Variant, int] = {}
+    for count, variant in segments:
+      rows, bad_step = self._loop(variant)(iterator,
+                                           tf.constant(count, tf.int64))
+      part = step_core.LoopSums(self.task.metric_names, self._mean_keys(),
+                                np.asarray(rows))
+      totals.add(part, keys=keys)
       bad = [s for s in (int(bad_step), part.first_bad)
              if 0 <= s < step_core.NO_STEP]
       if bad:
         raise NonFiniteError(min(bad))
-      if part.applied:
-        self.on_segment(variant, part.means(),
-                        tf.nest.map_structure(np.asarray, carry))
+      applied[variant] = applied.get(variant, 0) + part.applied
+    self.loop_end(LoopEnd(time.perf_counter() - t0,
+                          self.trace_count != traces, applied))
     extra = ({} if self.loss_scale is None else
              {"loss_scale": float(self.loss_scale.scale.numpy())})
     extra.update(input_metrics(self.dataset))  # data/bad_records, if any.
@@ -206,7 +221,7 @@ class LoopTrainer(Trainer):
       fn = train_dataset_fn(self.dataset.train_x, self.dataset.train_y,
                             self.examples_per_step, self.config.seed,
                             start_step=int(self.step.numpy()))
-      self._iterator = self.make_iterator(fn)
+      self._iterator = self._make_iterator(fn)
     return self._iterator
 
   def _drop_input(self) -> None:
@@ -222,15 +237,18 @@ class LoopTrainer(Trainer):
 
   def _loop_fn(self, iterator, num_steps, variant):
     self.trace_counts[variant] += 1  # Python side effect: once per trace.
-    keys = tuple(self.task.metric_names) + tuple(self.mean_keys(variant))
+    keys = tuple(self.task.metric_names) + self._mean_keys()
     # A step not applied is skipped, not bad, under a loss scale (an
     # overflow) or --nonfinite=skip (which skips any bad step).
     skip_all = self.config.nonfinite == "skip"
     may_skip = skip_all or self.loss_scale is not None
     max_loss = self.config.max_loss
 
+    replica_step = user_code.convert(self.replica_step)
+    after_step = user_code.convert(self.after_step)
+
     def replica(batch, sums):
-      out = self.replica_step(batch, variant)
+      out = replica_step(batch, variant)
       loss = out.shares["loss"]
       sums = step_core.add_step(
           sums, {**out.shares, **out.means}, applied=out.applied,
@@ -238,31 +256,34 @@ class LoopTrainer(Trainer):
           skip_all=skip_all, step=tf.convert_to_tensor(self.step) + 1)
       if max_loss:  # The step's loss over all replicas: one scalar.
         loss = self._sum_over_replicas(loss)
-      return sums, out.applied, loss, out.carry
+      return sums, out.applied, loss
 
-    def step(i, sums, carry, bad_step):
+    def step(i, sums, bad_step):
       batch = next(iterator)
       if self.strategy is not None:  # Each replica's own.
         batch = stream.replica_batches(self.strategy, batch)
-      sums, applied, loss, new_carry = self.run_replicas(replica, batch, sums)
+      sums, applied, loss = self.run_replicas(replica, batch, sums)
       self.step.assign_add(1)
-      self.after_step()
+      after_step()
       ends = self._ends_loop(self._first(applied), loss, skip_all, may_skip)
-      if ends is not False:  # `train` raises; the carry goes unused.
+      if ends is not False:  # `train` raises.
         bad_step = tf.where(ends, self.step.read_value(), bad_step)
-      del carry  # Replaced by the last step's.
-      return i + 1, sums, self._first(new_carry), bad_step
+      return i + 1, sums, bad_step
 
-    def more(i, sums, carry, bad_step):
-      del sums, carry
+    def more(i, sums, bad_step):
+      del sums
       return tf.logical_and(i < num_steps, bad_step < 0)
 
     start = (tf.constant(0, tf.int64),
              self.run_replicas(lambda: step_core.zero_sums(keys)),
-             self.initial_carry(variant), tf.constant(-1, tf.int64))
-    _, sums, carry, bad_step = tf.while_loop(more, step, start)
+             tf.constant(-1, tf.int64))
+    _, sums, bad_step = tf.while_loop(more, step, start)
     rows = self._first(self.run_replicas(self._gather, sums, keys))
-    return rows, bad_step, carry
+    return rows, bad_step
+
+  def _mean_keys(self) -> Tuple[str, ...]:
+    """The mode's mean keys and the recipe's (`clipped_fraction`)."""
+    return tuple(self.reported_means) + self.recipe.mean_keys
 
   def _ends_loop(self, applied, loss, skip_all: bool, may_skip: bool):
     """Whether the step just run ends the loop, from values every replica

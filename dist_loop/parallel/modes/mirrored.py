@@ -2,8 +2,8 @@
 (MirroredStrategy) or across the workers of a cluster
 (MultiWorkerMirroredStrategy): sync and local_sgd.
 
-`Mirrored` is a mixin of class methods and one builder; a mode lists it
-before its base class. It decides:
+`Mirrored` is a mixin of class methods and three instance methods; a mode
+lists it before its base class. It decides:
 
 * how many replicas there are: every training process's `--num_devices`;
 * which clusters it accepts: workers only, one replica per worker on CPU;
@@ -12,7 +12,9 @@ before its base class. It decides:
   since building it starts the runtime);
 * what a lost peer means: one line naming `--collective_timeout_s`;
 * the strategy itself (`build_strategy`), checked against the replica
-  count the config asked for.
+  count the config asked for;
+* where the master variables are read (`scope`) and differentiated
+  (`on_master`: on the first replica).
 """
 
 import tensorflow as tf
@@ -25,8 +27,8 @@ from dist_loop.runtime import strategy as strategy_lib
 
 
 class Mirrored:
-  """Class methods shared by the modes that run (MultiWorker)Mirrored
-  strategies. See the module docstring."""
+  """What the modes that run (MultiWorker)Mirrored strategies share. See
+  the module docstring."""
 
   multi_process = True
 
@@ -93,3 +95,10 @@ class Mirrored:
           f"{config.num_devices} on each of {cluster.num_trainers} workers "
           f"asks for {wanted}; make every worker see --num_devices devices")
     return strategy
+
+  def scope(self):
+    return self.strategy.scope()
+
+  def on_master(self, fn, *args):
+    cache = self.__dict__.setdefault("_on_master_fns", {})
+    return strategy_lib.on_first_replica(self.strategy, cache, fn, *args)

@@ -1,5 +1,8 @@
 """What a sync replica holds and sends, against ZeRO's formulas.
 
+It takes values (stage, replica count, the variables a replica holds), not
+a trainer, so it sits below the modes.
+
 Memory, per device, in bytes, counted from the variables the run built (the
 gradient from its shapes, since it is a tensor of the step):
 
@@ -23,7 +26,7 @@ reduce-scatter), so a bucket's full size also lives briefly.
 Bytes on the wire: `collectives.WireBytes`.
 """
 
-from typing import Dict
+from typing import Dict, Sequence
 
 import numpy as np
 
@@ -32,7 +35,8 @@ from dist_loop.parallel.sharding.collectives import WireBytes
 MB = 2.0**20
 
 
-def _bytes(variables) -> int:
+def variable_bytes(variables) -> int:
+  """The bytes of `variables` (anything with a shape and a dtype)."""
   return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize
              for v in variables)
 
@@ -47,49 +51,56 @@ def zero_formula(stage: str, parameters: int, replicas: int,
           "weights": (8 + k) * psi / n}[stage]
 
 
-def memory(trainer) -> Dict[str, float]:
-  """`memory/...` MB per device of a sync trainer (see the module)."""
-  model = trainer.model
-  full = _bytes(model.trainable_variables)
+def memory(stage: str, replicas: int, model_variables: Sequence,
+           slots: Sequence, shards: Sequence = (),
+           padding: int = 0) -> Dict[str, float]:
+  """`memory/...` MB per device of a sync replica (see the module).
+
+  Args:
+    stage: the ZeRO stage, "none" to "weights".
+    replicas: the replicas in sync.
+    model_variables: the model's trainable variables (full).
+    slots: the optimizer's slot variables one replica holds (whole
+      unsharded, shards otherwise).
+    shards: one replica's float32 weight shards (sharded stages).
+    padding: elements added to make every variable divide by `replicas`.
+  """
+  full = variable_bytes(model_variables)
   parameters = full // 4
-  sharding = trainer.sharding
-  replicas = trainer.strategy.num_replicas_in_sync
-  if sharding is None:
-    stage, slots = "none", _bytes(trainer.optimizer.variables[2:])
-    weights, gradients, k = full, full, slots / max(parameters, 1)
-    padding = transient = 0
+  slot_bytes = variable_bytes(slots)
+  if stage == "none":
+    weights, gradients, k = full, full, slot_bytes / max(parameters, 1)
+    padding_bytes = transient = 0
   else:
-    stage, state = sharding.stage, sharding.state
-    shard = _bytes(state.shards)  # One replica's.
-    slots = _bytes(state.slots)
+    shard = variable_bytes(shards)  # One replica's.
     weights = shard + (0 if stage == "weights" else full)
     gradients = full if stage == "optimizer" else shard
     # Float32 slots per parameter, unpadded (Adam: 2 slots, K = 8).
-    k = 4.0 * len(state.slots) / max(len(state.shards), 1)
-    padding = 4 * state.layout.padding // replicas
+    k = 4.0 * len(slots) / max(len(shards), 1)
+    padding_bytes = 4 * padding // replicas
     transient = full if stage == "weights" else 0
-  held = weights + gradients + slots
+  held = weights + gradients + slot_bytes
   out = {"memory/weights_mb": weights / MB,
          "memory/gradients_mb": gradients / MB,
-         "memory/optimizer_mb": slots / MB,
+         "memory/optimizer_mb": slot_bytes / MB,
          "memory/held_mb": held / MB,
          "memory/zero_formula_mb": zero_formula(stage, parameters, replicas,
                                                 k) / MB,
-         "memory/padding_mb": padding / MB,
+         "memory/padding_mb": padding_bytes / MB,
          "memory/transient_mb": transient / MB}
   if stage == "weights":
     out["memory/host_weights_mb"] = full / MB
   return out
 
 
-def wire(trainer, step: int) -> WireBytes:
-  """The bytes of one step of a sync trainer (sharded or not)."""
-  gradient = trainer.compressor.bytes_at(max(step - 1, 0))
-  sharding = trainer.sharding
-  if sharding is None:
-    return WireBytes(trainer.strategy.num_replicas_in_sync, gradient, 0, 0)
+def wire(replicas: int, gradient_bytes: int, stage: str = "none",
+         shard_bytes: int = 0, steps_per_loop: int = 1) -> WireBytes:
+  """The bytes of one sync step: `gradient_bytes` handed to the reduction
+  (the compressor's), and under a stage the all-gathers of `shard_bytes`
+  (stage 3 also gathers the host copy once per loop of `steps_per_loop`)."""
+  if stage == "none":
+    return WireBytes(replicas, gradient_bytes, 0, 0)
   gathers = 1.0
-  if sharding.stage == "weights":  # And the host copy, once per loop.
-    gathers += 1.0 / trainer.config.steps_per_loop
-  return WireBytes(trainer.strategy.num_replicas_in_sync, gradient,
-                   _bytes(sharding.state.shards), gathers)
+  if stage == "weights":  # And the host copy, once per loop.
+    gathers += 1.0 / steps_per_loop
+  return WireBytes(replicas, gradient_bytes, shard_bytes, gathers)

@@ -44,11 +44,13 @@ class ShardedState:
     model_variables: the model's trainable variables, full (the values
       shards are cut from; the checkpoint's `_trainable_variables`).
     optimizer: the registered optimizer name; learning_rate: its rate.
+    weight_decay: `--weight_decay`; whether a shard decays is decided by
+      its model variable's rank (`optim.make`).
   """
 
   def __init__(self, strategy: tf.distribute.Strategy,
                model_variables: Sequence, optimizer: str,
-               learning_rate: float):
+               learning_rate: float, weight_decay: float = -1.0):
     self.strategy = strategy
     self.model_variables = list(model_variables)
     self.layout = Layout([tf.TensorShape(v.shape) for v in model_variables],
@@ -58,7 +60,9 @@ class ShardedState:
           keras.Variable(initializer="zeros", shape=[size], dtype="float32",
                          name=f"shard_{i}")
           for i, size in enumerate(self.layout.shard_sizes)]
-      self.optimizer = optim.make(optimizer, learning_rate, self.shards)
+      self.optimizer = optim.make(
+          optimizer, learning_rate, self.shards, weight_decay,
+          decayed=[len(v.shape) >= 2 for v in self.model_variables])
     self.slots = self.optimizer.variables[2:]  # After iterations and rate.
     self.slot_owner = [_owner(v) for v in self.slots]
     self._pending: Optional[List[np.ndarray]] = None

@@ -25,7 +25,7 @@ so every stage equals unsharded sync (tests: to 1e-6). Only optimizers
 whose update is element-wise may be sharded (`optim.is_elementwise`).
 """
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
@@ -72,10 +72,12 @@ class Sharding:
     optimizer, learning_rate: the run's optimizer.
     bucket_mb: the all-gathers' bucket size (the all-reduce's own buckets
       are the compressor's).
+    weight_decay: `--weight_decay` (`optim.make`).
   """
 
   def __init__(self, stage: str, strategy, model, optimizer: str,
-               learning_rate: float, bucket_mb: float):
+               learning_rate: float, bucket_mb: float,
+               weight_decay: float = -1.0):
     if stage == "weights" and model.non_trainable_variables:
       raise UserError(
           f"--shard=weights runs the model on gathered weights, and the "
@@ -86,7 +88,7 @@ class Sharding:
     self.strategy = strategy
     self.model = model
     self.state = ShardedState(strategy, model.trainable_variables, optimizer,
-                              learning_rate)
+                              learning_rate, weight_decay)
     self.layout = self.state.layout
     self.bucket_elements = int(bucket_mb * 2**20) // 4
     self.forward = list(range(len(self.state.shards)))
@@ -134,10 +136,12 @@ class Sharding:
                               self.bucket_elements)
 
   def apply(self, grads: Sequence[tf.Tensor], reduce_fn, loss_scale,
-            scale) -> Tuple[tf.Tensor, tf.Tensor]:
-    """Reduces this replica's gradients, updates its shards, and (stages 1
-    and 2) gathers the updated weights into the model. Returns (ok, the
-    norm of the reduced gradient), the same on every replica."""
+            scale, recipe, step) -> Tuple[tf.Tensor, Dict[str, tf.Tensor]]:
+    """Reduces this replica's gradients, clips them by the norm of the
+    whole reduced gradient (`recipe`), updates its shards at the rate of
+    the update after `step`, and (stages 1 and 2) gathers the updated
+    weights into the model. Returns (ok, means: `grad_norm`, the unclipped
+    norm, and the recipe's keys), the same on every replica."""
     ctx = tf.distribute.get_replica_context()
     replica = ctx.replica_id_in_sync_group
     if self.stage == "optimizer":
@@ -159,8 +163,10 @@ class Sharding:
                     for g in shards])])
       total = ctx.all_reduce(tf.distribute.ReduceOp.SUM, local)
       ok, norm = tf.equal(total[1], 0.0), tf.sqrt(total[0])
+    shards, means = recipe.clip(shards, norm)
     done = optim.apply_reduced(self.state.optimizer, shards,
-                               self.state.shards, ok)
+                               self.state.shards, ok,
+                               learning_rate=recipe.rate(step))
     if loss_scale is not None:
       loss_scale.update(ok)
     if self.stage != "weights":
@@ -168,7 +174,7 @@ class Sharding:
         full = collectives.gather(self.layout, self._read_shards(),
                                   self.forward, self.bucket_elements)
       replicas.write(self.model.trainable_variables, full)
-    return ok, norm
+    return ok, {"grad_norm": norm, **means}
 
   def _read_shards(self) -> List[tf.Tensor]:
     return [tf.convert_to_tensor(replicas.backing(s))

@@ -49,6 +49,7 @@ class Outcome:
   skipped: bool = False  # A loss-scale overflow: not applied, not an error.
   grad_norm: float = 0.0
   lr_scale: float = 1.0
+  clipped: Optional[bool] = None  # None: no --clip_global_norm.
 
 
 class Applier:
@@ -66,6 +67,9 @@ class Applier:
     loss_scale: the float16 loss scale, on `device`; None: no loss scaling.
     max_loss: a push whose loss is above it is not applied and counts as
       non-finite; 0: no bound.
+    recipe: the rate of each update (a function of the version it makes)
+      and the clipping of each push, after its delay compensation; None:
+      the optimizer's rate, no clipping.
   """
 
   def __init__(self, model: keras.Model, optimizer: keras.optimizers.Optimizer,
@@ -75,8 +79,10 @@ class Applier:
                compensation: Callable = policies.no_compensation,
                dc_lambda: float = 0.0,
                loss_scale: Optional[DynamicLossScale] = None,
-               max_loss: float = 0.0):
+               max_loss: float = 0.0,
+               recipe: Optional[optim.Recipe] = None):
     self.model = model
+    self.recipe = recipe
     self.optimizer = optimizer
     self.step = step
     self.device = device
@@ -142,8 +148,8 @@ class Applier:
       return Outcome(tau, applied=False, finite=False)
     scale = float(self.staleness_lr(tau))
     with self.lock:
-      ok, norm = self._apply_fn(push.grads, push.read,
-                                tf.constant(scale, tf.float32))
+      ok, norm, clipped = self._apply_fn(push.grads, push.read,
+                                         tf.constant(scale, tf.float32))
       ok = bool(ok)
       if ok:
         self.version += 1
@@ -156,7 +162,9 @@ class Applier:
     elif skipped:
       self.skipped += 1
     return Outcome(tau, applied=ok, finite=ok or skipped, skipped=skipped,
-                   grad_norm=float(norm), lr_scale=scale)
+                   grad_norm=float(norm), lr_scale=scale,
+                   clipped=bool(clipped) if self.recipe and
+                   self.recipe.clip_norm else None)
 
   def _overflowed(self, push: Push) -> bool:
     """Whether the non-finite gradients of `push` are a loss-scale overflow,
@@ -189,7 +197,13 @@ class Applier:
       now = [tf.identity(v) for v in variables]
       grads = self.compensation(grads, now, read, self.dc_lambda)
       ok = optim.all_finite(grads)
+      norm = tf.linalg.global_norm(grads)
+      rate, clipped = None, tf.constant(0.0)
+      if self.recipe is not None:  # Per push: the norm of its gradient.
+        grads, means = self.recipe.clip(grads, norm)
+        clipped = means.get(optim.Recipe.CLIPPED, clipped)
+        rate = self.recipe.rate(self.step.read_value())
       optim.apply_reduced(self.optimizer, grads, variables, ok,
-                          lr_scale=lr_scale)
+                          lr_scale=lr_scale, learning_rate=rate)
       self.step.assign_add(tf.cast(ok, tf.int64))
-      return ok, tf.linalg.global_norm(grads)
+      return ok, norm, clipped

@@ -5,7 +5,9 @@ in `dist_loop/parallel/staleness.py`. Two more knobs, of the async mode only,
 decide how a gradient of staleness tau that passed the bound is applied:
 
 * `--staleness_lr=NAME` (`STALENESS_LR`): `fn(tau) -> scale`, the factor on
-  the learning rate of this one update. A Python function of a Python int,
+  the learning rate of this one update: the schedule's rate at the step the
+  update makes (`--lr_schedule`, a function of the applied-update count),
+  times `fn(tau)`. A Python function of a Python int,
   so a policy can be printed, tested and plotted without TensorFlow.
 * `--async_compensation=NAME` (`COMPENSATIONS`):
   `fn(grads, now, read, dc_lambda) -> grads`, run inside the applier's

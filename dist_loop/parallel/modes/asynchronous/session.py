@@ -32,6 +32,7 @@ from dist_loop.parallel import straggler as straggler_lib
 from dist_loop.parallel.modes.asynchronous.applier import Applier, Outcome
 from dist_loop.parallel.modes.asynchronous.threads import Crew, Stopped
 from dist_loop.parallel.modes.asynchronous.worker import Push, Worker
+from dist_loop.training import optim
 
 
 @dataclasses.dataclass
@@ -43,6 +44,7 @@ class Tally:
   skipped: int = 0  # Loss-scale overflows: pushes neither applied nor errors.
   sums: Dict[str, float] = dataclasses.field(default_factory=dict)
   grad_norm: float = 0.0
+  clipped: Optional[int] = None  # Applied pushes clipped; None: no clipping.
   taus: staleness.Histogram = dataclasses.field(
       default_factory=staleness.Histogram)
   bad_step: int = -1  # The step a non-finite push would have been, or -1.
@@ -53,6 +55,8 @@ class Tally:
     for name, value in push.metrics.items():
       self.sums[name] = self.sums.get(name, 0.0) + float(value)
     self.grad_norm += outcome.grad_norm
+    if outcome.clipped is not None:
+      self.clipped = (self.clipped or 0) + int(outcome.clipped)
     self.taus.add([outcome.tau])
 
   def means(self) -> Dict[str, float]:
@@ -61,8 +65,10 @@ class Tally:
     if not self.applied:
       return {}
     n = self.applied
+    clipped = ({} if self.clipped is None else
+               {optim.Recipe.CLIPPED: self.clipped / n})
     return {**{k: v / n for k, v in self.sums.items()},
-            "grad_norm": self.grad_norm / n}
+            "grad_norm": self.grad_norm / n, **clipped}
 
 
 class Session:

@@ -32,6 +32,7 @@ from dist_loop.parallel.modes.asynchronous.applier import Applier
 from dist_loop.parallel.modes.asynchronous.options import AsyncOptions
 from dist_loop.parallel.modes.asynchronous.session import Session
 from dist_loop.parallel.modes.asynchronous.worker import Worker
+from dist_loop.runtime import user_code
 from dist_loop.training import optim
 from dist_loop.training import precision as precision_lib
 from dist_loop.parallel.modes.base import (MODES, Report, Reporting, Trainer,
@@ -73,7 +74,8 @@ class AsyncTrainer(Trainer, Reporting):
     with tf.device(self.master_device):
       self.model = models.build_for(config, dataset)
       self.optimizer = optim.make(config.optimizer, config.learning_rate,
-                                  self.model.trainable_variables)
+                                  self.model.trainable_variables,
+                                  config.weight_decay)
       self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
       self.loss_scale = precision_lib.make_loss_scale(config.precision)
     if self.model.non_trainable_variables:
@@ -88,9 +90,10 @@ class AsyncTrainer(Trainer, Reporting):
         self.model, self.optimizer, self.step, self.master_device,
         max_staleness=options.max_staleness,
         staleness_lr=policies.STALENESS_LR.get(options.staleness_lr),
-        compensation=policies.COMPENSATIONS.get(options.async_compensation),
+        compensation=user_code.convert(  # An extension's: AutoGraph.
+            policies.COMPENSATIONS.get(options.async_compensation)),
         dc_lambda=options.dc_lambda, loss_scale=self.loss_scale,
-        max_loss=config.max_loss)
+        max_loss=config.max_loss, recipe=self.recipe)
     self.workers = self._make_workers(config, devices, dataset)
     self.straggler = straggler_lib.parse(options.straggler)
     self._session: Optional[Session] = None

@@ -25,7 +25,7 @@ class LocalSGDOptions:
       "outer lr 1 is plain model averaging) or nesterov (DiLoCo).",
       choices=OUTER_OPTIMIZERS, layout=True)
   outer_learning_rate: float = option(
-      1.0, "Learning rate of the outer optimizer (DiLoCo: 0.7).", lower=0.0)
+      1.0, "Learning rate of the outer optimizer (DiLoCo: 0.7).", above=0.0)
   outer_momentum: float = option(
       0.0, "Momentum of --outer_optimizer=nesterov (DiLoCo: 0.9); must be "
       "0 with average.", lower=0.0, upper=1.0)

@@ -93,7 +93,8 @@ class LocalSGDTrainer(Mirrored, LoopTrainer, Reporting):
       self.model = models.build_for(config, dataset)
       self.replica_model = models.build_for(config, dataset)
       self.optimizer = optim.make(config.optimizer, config.learning_rate,
-                                  self.replica_model.trainable_variables)
+                                  self.replica_model.trainable_variables,
+                                  config.weight_decay)
       self.outer_optimizer = outer.make(self.options,
                                         self.model.trainable_variables)
       agg = tf.VariableAggregation.ONLY_FIRST_REPLICA
@@ -108,7 +109,6 @@ class LocalSGDTrainer(Mirrored, LoopTrainer, Reporting):
     self.bytes_per_sync = outer.bytes_per_sync(self.model)
     self.float32_bytes_per_step = compression.wire.float32_bytes_per_step(
         self.model.trainable_variables)
-    self._on_master_fns = {}
 
   def checkpoint_items(self):
     return {"step": self.step, "model": self.model,
@@ -116,21 +116,11 @@ class LocalSGDTrainer(Mirrored, LoopTrainer, Reporting):
             "outer_optimizer": self.outer_optimizer,
             "replicas": self.replica_state}
 
-  def scope(self):
-    return self.strategy.scope()
-
-  def on_master(self, fn, *args):
-    return strategy_lib.on_first_replica(self.strategy, self._on_master_fns,
-                                         fn, *args)
-
-  def before_train(self):
+  def loop_begin(self, start, num_steps):
     self.replica_state.apply()  # After a restore: each replica's own state.
+    return super().loop_begin(start, num_steps)
 
   # -- the replica's inner step, and the synchronisation --
-
-  def mean_keys(self, variant):
-    del variant
-    return (REPLICA_GRAD_NORM,)
 
   def replica_step(self, batch, variant):
     """One step of the replica's own weights on its own batch."""
@@ -142,13 +132,16 @@ class LocalSGDTrainer(Mirrored, LoopTrainer, Reporting):
         examples_per_update=self.examples_per_replica, contributors=chunks)
     ok = tf.logical_and(optim.all_finite(grads),
                         tf.math.is_finite(shares["loss"]))
+    # Clipping acts per inner step, on the replica's own gradient.
+    norm = tf.linalg.global_norm(grads)
+    grads, means = self.recipe.clip(grads, norm)
     optim.apply_reduced(self.optimizer, grads,
                         self.replica_model.trainable_variables, ok,
-                        per_replica_ok=True)
+                        per_replica_ok=True,
+                        learning_rate=self.recipe.rate(self.step))
     # The replica's batch is 1/R of the step's: its share of the step's mean.
     shares = {k: v / self.replica_count for k, v in shares.items()}
-    return StepResult(shares, ok,
-                      {REPLICA_GRAD_NORM: tf.linalg.global_norm(grads)})
+    return StepResult(shares, ok, {REPLICA_GRAD_NORM: norm, **means})
 
   def after_step(self):
     tf.cond(self.step % self.options.sync_every == 0,
@@ -183,9 +176,6 @@ class LocalSGDTrainer(Mirrored, LoopTrainer, Reporting):
 def _check_options(options: LocalSGDOptions, train_steps: int) -> None:
   """The rules between the mode's options. Raises UserError."""
   h = options.sync_every
-  if not options.outer_learning_rate > 0:
-    raise UserError(f"--outer_learning_rate must be > 0, got "
-                    f"{options.outer_learning_rate:g}")
   if options.outer_optimizer == "average" and options.outer_momentum:
     raise UserError(f"--outer_momentum={options.outer_momentum:g} needs "
                     "--outer_optimizer=nesterov; drop it for average")

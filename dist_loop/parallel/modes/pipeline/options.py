@@ -49,8 +49,9 @@ class PipelineOptions:
       lower=0.0)
   pipeline_timing: str = option(
       "log", "Per-action timestamps (measured bubble and timeline): log "
-      "times only the steps that end at a log line, so the others carry no "
-      "timestamp ops; every; never. Off under --deterministic.",
+      "times only the last step of each inner loop (so the step a log line "
+      "follows), and the others carry no timestamp ops; every; never. Off "
+      "under --deterministic.",
       choices=TIMING)
   recompute: str = option(
       "never", "Recompute each chunk's activations in its backward instead "

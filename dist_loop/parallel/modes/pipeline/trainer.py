@@ -24,9 +24,11 @@ The loop around the step, its input and its metrics are the loop base's
 and the R replicas live inside one step, whose results are already the
 update's means. The step has two variants, each its own traced loop: with
 per-action timestamps and without (`--pipeline_timing`). Under `log`, a
-`train(n)` that ends at a log line runs n-1 untimed steps and one timed one
-(`segments`), so only what is reported is timed; `report()` gives its
-measured bubble and timeline beside the simulator's prediction.
+`train(n)` runs n-1 untimed steps and one timed one (`loop_begin`): the
+controller ends a call where an action (the log line among them) runs, so
+the step a report follows is timed, and the others carry no timestamp ops.
+The timed step leaves its timestamps in two variables; `report()` gives the
+last one's bubble and timeline beside the simulator's prediction.
 """
 
 import dataclasses
@@ -96,7 +98,8 @@ class PipelineTrainer(LoopTrainer, Reporting):
       raise AssertionError("chunk variables are not in the model's order")
     with tf.device(devices[0]):
       self.optimizer = optim.make(config.optimizer, config.learning_rate,
-                                  self.model.trainable_variables)
+                                  self.model.trainable_variables,
+                                  config.weight_decay)
       self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
       self.loss_scale = precision_lib.make_loss_scale(config.precision)
     self.timing = self.options.pipeline_timing
@@ -106,6 +109,12 @@ class PipelineTrainer(LoopTrainer, Reporting):
                    "measured bubble or timeline, only the predicted ones")
       self.timing = "never"
     self._measured = None  # The last timed step: bubble, span, timeline.
+    width = max(len(row) for row in self.schedule.devices)
+    with tf.device(devices[0]):  # A timed step's (starts, ends).
+      self._stamps = tuple(
+          tf.Variable(tf.zeros([self.replicas, k, width], tf.float64),
+                      trainable=False, name=name)
+          for name in ("stamp_starts", "stamp_ends"))
     self._log_start()
 
   def _placed_model(self, weights):
@@ -133,53 +142,41 @@ class PipelineTrainer(LoopTrainer, Reporting):
 
   # -- the step, for the loop base --
 
-  def segments(self, start, num_steps):
+  def loop_begin(self, start, num_steps):
     """Which loop variant runs which steps of a call (`--pipeline_timing`):
-    under `log`, only a call's last step, and only if it is logged."""
+    under `log`, only the call's last step."""
+    del start
     if self.timing != "log":
       return [(num_steps, TIMED if self.timing == "every" else UNTIMED)]
-    end = start + num_steps
-    if end % self.config.log_every and end != self.config.train_steps:
-      return [(num_steps, UNTIMED)]
     return [(n, v) for n, v in ((num_steps - 1, UNTIMED), (1, TIMED)) if n]
-
-  def mean_keys(self, variant):
-    # A timed step's bubble and span reach `on_segment`, not `train`.
-    return ("grad_norm",) + (("bubble", "span") if variant == TIMED else ())
-
-  def initial_carry(self, variant):
-    if variant != TIMED:
-      return ()
-    width = max(len(row) for row in self.schedule.devices)
-    shape = [self.replicas, self.num_stages, width]
-    return (tf.zeros(shape, tf.float64), tf.zeros(shape, tf.float64))
 
   def replica_step(self, batch, variant):
     """One pipelined step of every replica, applied only if its gradients
-    are all finite; timed, the carry is its (starts, ends)."""
+    are all finite; timed, its (starts, ends) go to `self._stamps`."""
     x, y = batch
     timed = variant == TIMED
     scale = (None if self.loss_scale is None
              else self.loss_scale.scale.read_value())  # One for all chunks.
     out = self.executor.step(x, y, scale, timed)
-    grads, ok = precision_lib.unscale_and_apply(
+    # The norm spans every stage: the gradients of all chunks.
+    ok, means = precision_lib.unscale_and_apply(
         self.optimizer, out["grads"], self.executor.variables,
-        self.loss_scale, scale)
-    means = {"grad_norm": tf.linalg.global_norm(grads)}
-    if not timed:
-      return StepResult(out["metrics"], ok, means)
-    starts, ends = out["starts"], out["ends"]
-    means["bubble"] = tf.cast(bubble(starts, ends), tf.float32)
-    means["span"] = tf.cast(tf.reduce_max(ends) - tf.reduce_min(starts),
-                            tf.float32)
-    return StepResult(out["metrics"], ok, means, (starts, ends))
+        self.loss_scale, scale, self.recipe, self.step)
+    if timed:
+      for stamps, value in zip(self._stamps, (out["starts"], out["ends"])):
+        stamps.assign(value)
+    return StepResult(out["metrics"], ok, means)
 
-  def on_segment(self, variant, means, carry):
-    if variant == TIMED:
-      starts, ends = carry
-      self._measured = {"bubble": means["bubble"],
-                        "step_ms": 1e3 * means["span"],
-                        "starts": starts[0], "ends": ends[0]}
+  def loop_end(self, end):
+    """The last timed step's bubble, span and timestamps, if a timed step
+    of this call was applied."""
+    if not end.applied.get(TIMED):
+      return
+    starts, ends = (v.read_value() for v in self._stamps)
+    span = tf.reduce_max(ends) - tf.reduce_min(starts)
+    self._measured = {"bubble": float(bubble(starts, ends)),
+                      "step_ms": 1e3 * float(span),
+                      "starts": starts.numpy()[0], "ends": ends.numpy()[0]}
 
   # -- reporting --
 

@@ -122,12 +122,14 @@ class PSTrainer(Trainer, Reporting):
             rpc_layer="grpc"))
     self.coordinator = tf.distribute.coordinator.ClusterCoordinator(
         self.strategy)
-    self.layout = stats_lib.Layout(self.task.metric_names)
+    self.layout = stats_lib.Layout(self.task.metric_names
+                                   + self.recipe.mean_keys)
     with self.strategy.scope():
       self.model = models.build_for(config, dataset)
       self.loss_scale = precision_lib.make_loss_scale(config.precision)
       self.optimizer = optim.make(config.optimizer, config.learning_rate,
-                                  self.model.trainable_variables)
+                                  self.model.trainable_variables,
+                                  config.weight_decay)
       self.step = tf.Variable(0, dtype=tf.int64, trainable=False,
                               name="step")
       self._shards = tf.Variable(0, dtype=tf.int64, trainable=False,
@@ -142,7 +144,7 @@ class PSTrainer(Trainer, Reporting):
         optimizer=self.optimizer, variables=self.model.trainable_variables,
         step=self.step, stats=self._stats, layout=self.layout,
         max_staleness=self.options.max_staleness, loss_scale=self.loss_scale,
-        max_loss=config.max_loss)
+        max_loss=config.max_loss, rate=self.recipe.rate)
     self._loop = tf.function(self._loop_fn, autograph=False)
     self._iterator = None
     self._start_step = 0  # Where the workers' input starts (set at resume).
@@ -188,6 +190,9 @@ class PSTrainer(Trainer, Reporting):
     if scale is not None:
       grads = [g / scale for g in grads]
     metrics["grad_norm"] = tf.linalg.global_norm(grads)
+    # Clipping is per push, on the worker, where its gradient's norm is.
+    grads, clipped = self.recipe.clip(grads, metrics["grad_norm"])
+    metrics.update(clipped)
     return {"grads": grads, "read_version": read_version, "metrics": metrics,
             "computed_at": tf.constant(1.0) if scale is None else scale}
 

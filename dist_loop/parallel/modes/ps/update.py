@@ -57,7 +57,8 @@ class LockedUpdate:
 
   def __init__(self, *, optimizer, variables: Sequence, step: tf.Variable,
                stats: tf.Variable, layout: stats_lib.Layout,
-               max_staleness: int, loss_scale=None, max_loss: float = 0.0):
+               max_staleness: int, loss_scale=None, max_loss: float = 0.0,
+               rate=None):
     """Builds the lock on `step`'s device.
 
     Args:
@@ -70,6 +71,8 @@ class LockedUpdate:
       loss_scale: the float16 `DynamicLossScale`, or None.
       max_loss: a gradient whose loss is above it is not applied and is
         recorded as non-finite; 0: no bound.
+      rate: `fn(step) -> float32` rate of the update after `step`
+        (`optim.Recipe.rate`); None: the optimizer's.
     """
     self.optimizer = optimizer
     self.variables = list(variables)
@@ -79,6 +82,7 @@ class LockedUpdate:
     self.max_staleness = max_staleness
     self.loss_scale = loss_scale
     self.max_loss = max_loss
+    self.rate = rate
     with tf.device(step.device):
       self.lock = tf.CriticalSection(name="ps_update")
 
@@ -112,8 +116,9 @@ class LockedUpdate:
       # `accepts` is plain Python without a bound: make it a tensor.
       fresh = tf.convert_to_tensor(staleness.accepts(tau, self.max_staleness))
       apply = finite & sane & fresh & (now < target)
-      applied = optim.apply_reduced(self.optimizer, grads, self.variables,
-                                    apply)
+      applied = optim.apply_reduced(
+          self.optimizer, grads, self.variables, apply,
+          learning_rate=None if self.rate is None else self.rate(now))
       with tf.control_dependencies([applied]):  # 2. after the weights.
         counted = self.step.assign_add(tf.cast(apply, tf.int64))
       skipped = sane & self._answer_overflow(finite, apply, metrics["loss"],
