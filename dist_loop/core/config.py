@@ -120,6 +120,14 @@ class Config:
                            upper=MAX_STEPS, group=_LOOP)
   checkpoint_every: int = option(200, "Steps between checkpoints.", lower=1,
                                  upper=MAX_STEPS, group=_LOOP)
+  async_checkpoint: bool = option(
+      False, "Write checkpoints in the background: training goes on while a "
+      "save is written (one at a time); the index names it once it is "
+      "complete.", group=_LOOP)
+  expected_failure_interval_s: float = option(
+      0.0, "Mean seconds between failures, for tools.goodput's best "
+      "checkpoint interval (Young/Daly); 0: the one the workdir's restarts "
+      "show.", lower=0.0, upper=1e9, group=_RELIABILITY)
   histogram_every: int = option(
       0, "Steps between weight and gradient histograms (0: never).", lower=0,
       upper=MAX_STEPS, group=_LOOP)
