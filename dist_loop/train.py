@@ -23,6 +23,7 @@ import tensorflow as tf
 from absl import logging
 
 from dist_loop import configure, data
+from dist_loop import models
 from dist_loop import tasks
 from dist_loop.control import actions
 from dist_loop.control import divergence
@@ -99,7 +100,7 @@ def _run(config, flags_text, cluster):
     keras.utils.set_random_seed(config.seed)
     if config.deterministic:
       tf.config.experimental.enable_op_determinism()
-    dataset = data.load(config)
+    dataset = data.load(config, models.image_size_for(config.model))
     # What the loader did not declare, the loaded data tells.
     configure.check_fit(config.model, config.dataset, data.given(dataset))
     try:
@@ -111,7 +112,8 @@ def _run(config, flags_text, cluster):
       finally:
         trainer.close()
     except tf.errors.OpError as e:
-      error = mode.cluster_error(config, cluster, e)
+      error = (data.input_error(e)
+               or mode.cluster_error(config, cluster, e))
       if error is None:
         raise
       raise error from None
@@ -195,6 +197,9 @@ def _inputs(config, trainer, dataset, checkpointer, summaries, summary_path,
   reporting = isinstance(trainer, Reporting)
   if reporting:
     summary_parts = [*summary_parts, trainer.summary]
+  summary_parts = [*summary_parts, lambda: {  # data/bad_records: bad_records
+      k.split("/")[-1]: v for k, v in data.input_metrics(dataset).items()}]
+  optimizer = trainer.optimizer
   return actions.Inputs(
       summaries=summaries,
       evaluator=Evaluator(trainer.model, dataset, config.eval_batch_size,

@@ -14,7 +14,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from dist_loop import configure, data
+from dist_loop import configure, data, models
 from dist_loop.data.base import DATASETS, Dataset
 from dist_loop.parallel.modes import build_trainer
 from dist_loop.runtime import devices
@@ -31,13 +31,19 @@ def _nan_dataset(data_dir, seed, image_size=None):
   return Dataset(x, y, x[:8], y[:8], 10)
 
 
+def load_data(config):
+  """The config's dataset as `train.run` loads it: images at the size the
+  model wants."""
+  return data.load(config, models.image_size_for(config.model))
+
+
 def make_trainer(config):
   """The config's trainer, built in this process as `train.run` builds it,
   without the controller (no evaluation, checkpoints or summaries)."""
   config = configure.validate(config, Cluster())
   keras.utils.set_random_seed(config.seed)
   return build_trainer(config, devices.configure(config.num_devices, "cpu"),
-                       data.load(config), Cluster())
+                       load_data(config), Cluster())
 
 
 def variables(trainer):

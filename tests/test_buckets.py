@@ -19,12 +19,13 @@ import pytest
 import tensorflow as tf
 
 from conftest import max_diff, read_events, trained_variables
-from dist_loop import configure, data, models
+from dist_loop import configure, models
 from dist_loop.core.errors import UserError
 from dist_loop.parallel.modes import build_trainer
 from dist_loop.runtime import checkpoints, devices
 from dist_loop.runtime.cluster import Cluster
-from helpers import handed_bytes, make_trainer, step_graph, variables
+from helpers import (handed_bytes, load_data, make_trainer, step_graph,
+                     variables)
 
 TINY_BUCKET_MB = 0.001  # About 1 KB: every gradient of the test MLP its own.
 MB = 2**20
@@ -40,7 +41,7 @@ models.MODELS.register("buckets_test_deep")(
 def _trainer(small_config, **overrides):
   config = configure.validate(small_config(**overrides), Cluster())
   names = devices.configure(config.num_devices, "cpu")
-  return build_trainer(config, names, data.load(config), Cluster())
+  return build_trainer(config, names, load_data(config), Cluster())
 
 
 def _collectives(graph):
@@ -95,7 +96,7 @@ def _runs():
         num_devices=2, global_batch_size=32, optimizer="sgd",
         learning_rate=0.1, seed=0, allreduce_bucket_mb=bucket_mb), Cluster())
     trainer = build_trainer(config, devices.configure(2, "cpu"),
-                            data.load(config), Cluster())
+                            load_data(config), Cluster())
     out[bucket_mb] = _collectives(step_graph(trainer))
     out["gradient"] = _weight_bytes(trainer)
     trainer.close()
@@ -165,7 +166,7 @@ def test_a_compressor_that_cannot_take_buckets_says_so(small_config,
   config = small_config(num_devices=2, allreduce_compression=compression,
                         allreduce_bucket_mb=TINY_BUCKET_MB)
   trainer = build_trainer(config, devices.configure(2, "cpu"),
-                          data.load(config), Cluster())
+                          load_data(config), Cluster())
   calls, graph = handed_bytes(trainer)
   assert _pack_bytes(_collectives(graph)) == [
       n for kind, n in calls if kind == "all_reduce"]

@@ -9,7 +9,8 @@ harness on the MLP.
 
 import pytest
 
-from dist_loop import data, models
+from dist_loop import models
+from helpers import load_data
 from tools import bench
 from tools.benchmarks import common, comm_bench
 
@@ -54,7 +55,7 @@ def test_quick_run_reports_consistent_rows():
   by_name = {r["variant"]: r for r in rows}
   # float32 sync sends each parameter of the model (digits' MLP) every step.
   config = common.config(dataset="digits", model=settings["model"])
-  parameters = models.build_for(config, data.load(config)).count_params()
+  parameters = models.build_for(config, load_data(config)).count_params()
   float32 = by_name["float32"]["bytes_per_step"]
   assert float32 == 4 * parameters
   # DiLoCo sends the weights, the gradient's shapes, once per 32 steps.
