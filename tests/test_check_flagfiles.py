@@ -104,11 +104,14 @@ def test_an_upper_bound_is_kept_at_or_below_it():
 def _fake_runner(summary, failure=None, calls=None):
   """A runner that writes `summary` into the command's workdir."""
 
-  def run(command, log_path, timeout_s):
+  def run(command, log_path, timeout_s, cwd=None):
+    assert cwd is not None and os.path.isdir(cwd)  # The run's own place.
     if calls is not None:
       calls.append((command, log_path, timeout_s))
     if failure is not None:
       return failure
+    if not command[-1].startswith("--workdir="):
+      return None  # A setup command.
     workdir = command[-1].split("=", 1)[1]
     os.makedirs(workdir)
     if summary is not None:
@@ -129,7 +132,9 @@ def test_check_runs_the_command_in_a_fresh_workdir_and_judges(tmp_path):
       calls=calls))
   assert kept.kept and kept.name == "x"
   (command, log_path, timeout_s), = calls
-  assert command[-1] == f"--workdir={os.path.join(root, 'x')}"
+  assert command[-1] == (
+      f"--workdir={os.path.join(os.path.abspath(root), 'x', 'workdir')}")
+  assert not os.path.exists(os.path.join(root, "x", "checkpoints"))
   assert log_path == os.path.join(root, "x.log") and timeout_s == 5.0
   broken = cf.check(header, root, 5.0, _fake_runner(
       {"final_step": 600, "eval_accuracy": 0.5, "memory_held_mb": 7.3}))
@@ -193,3 +198,32 @@ def test_bad_input_is_one_line_and_exit_2(monkeypatch, capsys):
   err = capsys.readouterr().err
   assert err == ("error: --only names no flagfile: nosuch; choose from "
                  "experiments/configs/*.flags\n")
+
+
+def test_setup_commands_run_first_in_the_runs_own_directory(tmp_path):
+  """shards.flags makes its shards first: a setup command runs before the
+  training command, in the same fresh directory (where the flagfile's
+  relative --data_dir then finds them), and its failure is the run's."""
+  path = tmp_path / "configs" / "made.flags"
+  path.parent.mkdir()
+  path.write_text(
+      "# Make data, then train:\n"
+      "#   python -m tools.make_shards --dataset=digits \\\n"
+      "#       --out=runs/d\n"
+      f"#   python -m experiments.train --flagfile={path} \\\n"
+      "#       --workdir=runs/made\n"
+      "# promise: eval_accuracy >= 0.9 at step 2\n--train_steps=2\n")
+  header = cf.read_header(str(path))
+  assert header.setup == [["python", "-m", "tools.make_shards",
+                           "--dataset=digits", "--out=runs/d"]]
+  assert header.command[:3] == ["python", "-m", "experiments.train"]
+  calls = []
+  root = str(tmp_path / "root")
+  kept = cf.check(header, root, 5.0, _fake_runner(
+      {"final_step": 2, "eval_accuracy": 0.95}, calls=calls))
+  assert kept.kept
+  (setup, _, _), (run, _, _) = calls
+  assert setup[1:] == header.setup[0][1:] and run[1:3] == ["-m",
+                                                           "experiments.train"]
+  failed = cf.check(header, root, 5.0, _fake_runner(None, "exit code 2"))
+  assert failed.broken == ["setup python -m tools.make_shards: exit code 2"]

@@ -7,9 +7,13 @@ r"""Runs every experiment flagfile as its header says and checks its promise.
 What it checks and the last results: docs/flagfiles.md. Why it works so:
 
 * A flagfile is the record of an experiment, so the check runs the
-  command its header gives, as written (only `python` becomes this
-  interpreter): a flagfile that needs a user module or a launcher says so
-  there, and the check needs no knowledge of its own.
+  commands its header gives, as written (only `python` becomes this
+  interpreter): a flagfile that needs a user module, a launcher or data
+  made first (shards.flags' `tools.make_shards`) says so there, and the
+  check needs no knowledge of its own. Every command runs in the run's own
+  fresh directory, so what a setup command writes (`--out=runs/...`) is
+  where the run's flagfile looks for it, and nothing lands in the
+  repository.
 * Each run gets a fresh workdir under `--root` (this tool's own, removed
   first): the same workdir again would resume the finished run and train
   nothing.
@@ -79,13 +83,16 @@ class Header:
   path: str
   command: Optional[List[str]]
   promises: List[Promise]
+  setup: List[List[str]] = dataclasses.field(default_factory=list)
 
 
 def read_header(path: str) -> Header:
   """The command and the promises of the flagfile at `path`.
 
-  The command is the first comment line that starts with `python` after
-  its `#`, with its backslash continuation lines.
+  A command is a comment line that starts with `python` after its `#`,
+  with its backslash continuation lines. The run is the first command of
+  `experiments.train` or `tools.launch`; the commands before it are its
+  setup.
 
   Raises:
     InputError: a `# promise:` line that does not parse, or a command
@@ -98,7 +105,7 @@ def read_header(path: str) -> Header:
     if not line.startswith("#"):
       break
     comments.append(line)
-  command, promises = None, []
+  command, promises, setup = None, [], []
   i = 0
   while i < len(comments):
     text = comments[i][1:].strip()
@@ -115,18 +122,28 @@ def read_header(path: str) -> Header:
       while words.endswith("\\") and i + 1 < len(comments):
         i += 1
         words = words[:-1] + " " + comments[i][1:].strip()
-      command = shlex.split(words)
+      words = shlex.split(words)
+      if words[:3] in (["python", "-m", "experiments.train"],
+                       ["python", "-m", "tools.launch"]):
+        command = words
+      else:
+        setup.append(words)
     i += 1
   if command is not None and not promises:
     raise InputError(f"{path}: the header gives a command but no "
                       "'# promise: KEY >= NUMBER at step N' line")
-  return Header(path, command, promises)
+  return Header(path, command, promises, setup if command else [])
 
 
-def prepared(command: Sequence[str], workdir: str) -> List[str]:
-  """`command` with this interpreter for `python` and `workdir` for its
-  `--workdir`."""
+def prepared(command: Sequence[str], workdir: Optional[str]) -> List[str]:
+  """`command` with this interpreter for `python`, the repository's
+  flagfiles by absolute path (it runs elsewhere), and `workdir` for its
+  `--workdir` (None: a setup command, which has none)."""
   out = [sys.executable if word == "python" else word for word in command]
+  out = [f"--flagfile={os.path.abspath(w.split('=', 1)[1])}"
+         if w.startswith("--flagfile=") else w for w in out]
+  if workdir is None:
+    return out
   out = [f"--workdir={workdir}" if w.startswith("--workdir=") else w
          for w in out]
   if not any(w.startswith("--workdir=") for w in out):
@@ -148,13 +165,17 @@ class Result:
     return not self.broken
 
 
-def run_command(command: Sequence[str], log_path: str,
-                timeout_s: float) -> Optional[str]:
-  """Runs `command` in its own process group, output to `log_path`. None
-  if it exited 0, else why not (after `timeout_s` it is stopped)."""
+def run_command(command: Sequence[str], log_path: str, timeout_s: float,
+                cwd: Optional[str] = None) -> Optional[str]:
+  """Runs `command` in `cwd` in its own process group, output to
+  `log_path`, with the repository importable. None if it exited 0, else
+  why not (after `timeout_s` it is stopped)."""
+  env = dict(os.environ)
+  env["PYTHONPATH"] = os.pathsep.join(
+      [os.getcwd()] + [p for p in [env.get("PYTHONPATH")] if p])
   with open(log_path, "w", encoding="utf-8") as log:
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+                            start_new_session=True, cwd=cwd, env=env)
     try:
       code = proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -168,19 +189,30 @@ def run_command(command: Sequence[str], log_path: str,
   return None if code == 0 else f"exit code {code} (log: {log_path})"
 
 
-Runner = Callable[[List[str], str, float], Optional[str]]
+Runner = Callable[..., Optional[str]]  # (command, log, timeout, cwd=)
 
 
 def check(header: Header, root: str, timeout_s: float,
           runner: Runner = run_command) -> Result:
-  """Runs one flagfile's command in a fresh workdir; judges its promises."""
+  """Runs one flagfile's setup and command in a fresh directory; judges
+  its promises."""
   name = _name(header.path)
-  workdir = os.path.join(root, name)
-  shutil.rmtree(workdir, ignore_errors=True)  # This tool's own: a fresh run.
-  os.makedirs(root, exist_ok=True)
+  place = os.path.abspath(os.path.join(root, name))
+  shutil.rmtree(place, ignore_errors=True)  # This tool's own: a fresh run.
+  os.makedirs(place)
+  workdir = os.path.join(place, "workdir")
   start = time.monotonic()
-  failure = runner(prepared(header.command, workdir),
-                   os.path.join(root, f"{name}.log"), timeout_s)
+  failure = None
+  for i, command in enumerate(header.setup):
+    failure = runner(prepared(command, None),
+                     os.path.join(root, f"{name}.setup{i}.log"), timeout_s,
+                     cwd=place)
+    if failure is not None:
+      failure = f"setup {' '.join(command[:3])}: {failure}"
+      break
+  if failure is None:
+    failure = runner(prepared(header.command, workdir),
+                     os.path.join(root, f"{name}.log"), timeout_s, cwd=place)
   result = Result(name, header.promises, [],
                   seconds=time.monotonic() - start)
   if failure is not None:
