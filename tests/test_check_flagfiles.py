@@ -148,6 +148,7 @@ def test_check_runs_the_command_in_a_fresh_workdir_and_judges(tmp_path):
   assert silent.broken[0].startswith("no readable summary.json")
   lines = cf.table([kept, broken]).splitlines()
   assert len(lines) == 4 and lines[2].endswith("| kept |")
+  assert "| eval_accuracy = 0.98; memory_held_mb = 3.6 |" in lines[2]
   assert "| BROKEN: eval_accuracy >= 0.97" in lines[3]
 
 
@@ -179,9 +180,9 @@ def test_the_record_replaces_only_the_last_results(tmp_path):
   assert "Old." not in text
   assert "on 2026-12-03 12:45 UTC, 2 cores" in text
   assert text.endswith(
-      "| x | eval_accuracy >= 0.97 at step 600 | 1.5 | kept |\n"
+      "| x | eval_accuracy >= 0.97 at step 600 | – | 1.5 | kept |\n"
       "| y | eval_accuracy >= 0.97 at step 600; memory_held_mb <= 3.7 at "
-      "step 600 | – | not run |\n")
+      "step 600 | – | – | not run |\n")
   with pytest.raises(cf.InputError, match="no '## Last results' heading"):
     cf.record(_write(tmp_path, "# Title\n", "bare.md"), [result], when, "")
 

@@ -159,6 +159,7 @@ class Result:
   promises: List[Promise]
   broken: List[str]  # One reason per broken promise, or the run's failure.
   seconds: float = 0.0
+  measured: List[str] = dataclasses.field(default_factory=list)
 
   @property
   def kept(self) -> bool:
@@ -225,6 +226,9 @@ def check(header: Header, root: str, timeout_s: float,
     result.broken.append(f"no readable summary.json ({e})")
     return result
   for promise in header.promises:
+    got = summary.get(promise.key)
+    result.measured.append(f"{promise.key} = {got:.4g}"
+                           if isinstance(got, (int, float)) else "–")
     reason = promise.judge(summary)
     if reason is not None:
       result.broken.append(f"{promise}: {reason}")
@@ -237,15 +241,16 @@ def _name(path: str) -> str:
 
 def table(results: Sequence[Result], pending: Sequence[Header] = ()) -> str:
   """A markdown table of the results, then of the flagfiles not run yet."""
-  lines = ["| flagfile | promise | minutes | verdict |",
-           "| --- | --- | --- | --- |"]
+  lines = ["| flagfile | promise | measured | minutes | verdict |",
+           "| --- | --- | --- | --- | --- |"]
   for r in results:
     verdict = "kept" if r.kept else "BROKEN: " + "; ".join(r.broken)
     lines.append(f"| {r.name} | {'; '.join(map(str, r.promises))} "
+                 f"| {'; '.join(r.measured) or '–'} "
                  f"| {r.seconds / 60:.1f} | {verdict} |")
   for h in pending:
     lines.append(f"| {_name(h.path)} | {'; '.join(map(str, h.promises))} "
-                 "| – | not run |")
+                 "| – | – | not run |")
   return "\n".join(lines)
 
 
