@@ -11,9 +11,10 @@ hang it.
 One story, told once (multi-process tests are the suite's slowest; each
 cluster start is a TensorFlow start-up and a trace per worker, so there are
 two):
-1. `tools.launch` runs the workers unsharded, with thread flags; a seeded
-   random worker gets SIGTERM at a seeded random step, both save the same
-   step and exit 143, and so does the launcher (`--max_restarts=0`: that
+1. `tools.launch` runs the workers unsharded, with thread flags and
+   `--async_checkpoint`; a seeded random worker gets SIGTERM at a seeded
+   random step, both save the same step (in the background, waited for)
+   and exit 143, and so does the launcher (`--max_restarts=0`: that
    the launcher restarts a failed cluster with the same command is
    test_launch.py's);
 2. the same command, rerun without the launcher (which would stop the
@@ -105,7 +106,7 @@ class Cluster:
          sys.executable, "-m", "experiments.train",
          *_flags(shard="none", collective_timeout_s=LAUNCH_TIMEOUT_S,
                  intra_op_threads=1, inter_op_threads=2,
-                 straggler=STRAGGLER),
+                 straggler=STRAGGLER, async_checkpoint=True),
          "--deterministic", f"--workdir={workdir}"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
@@ -235,6 +236,14 @@ def test_thread_flags_work_with_multi_worker_runs(story):
   assert "thread counts must be set" not in out
   for worker in (0, 1):
     assert _progress(story["cluster"].log(worker)) >= 2
+
+
+def test_each_workers_start_line_names_the_cluster(story):
+  """Not "sync on 1 device": the run's workers, then this process's own."""
+  for worker in (0, 1):
+    log = story["cluster"].log(worker)
+    assert (f"sync on 2 workers, this one worker:{worker} on 1 device"
+            in log), log[-3000:]
 
 
 def test_a_rerun_resumes_both_workers_and_only_the_chief_writes(story):

@@ -25,6 +25,13 @@ def make(options, variables, seed: int = 0) -> Compressor:
   return compressor
 
 
+def has_state(options) -> bool:
+  """Whether the compressor `options` names keeps a state per replica (an
+  `initial_state` of its own: error feedback, PowerSGD's Q)."""
+  chosen = COMPRESSORS.get(options.allreduce_compression)
+  return chosen.initial_state is not Compressor.initial_state
+
+
 __all__ = ["COMPRESSORS", "Compressor", "State", "cast", "check_options",
-           "is_compressible", "make", "matrix_shape", "nbytes", "pack",
-           "powersgd", "topk", "unpack", "wire"]
+           "has_state", "is_compressible", "make", "matrix_shape", "nbytes",
+           "pack", "powersgd", "topk", "unpack", "wire"]

@@ -32,10 +32,12 @@ class SyncOptions:
       "count.", choices=("none", "optimizer", "gradients", "weights"))
   allreduce_bucket_mb: float = option(
       BUCKET_MB, "Gradients travel in buckets of at least this many MB on the "
-      "wire, each all-reduced as soon as its gradients exist, last layers "
-      "first, so communication overlaps the rest of the backward pass (0: one "
-      "bucket, after the whole backward pass). For the compressors none, "
-      "fp16 and bf16.", lower=0.0, upper=4096.0)
+      "wire, last layers first, each all-reduce depending only on its own "
+      "gradients, so it may start during the rest of the backward pass (0: "
+      "one bucket, after the whole backward pass). Measured across two "
+      "one-core CPU workers: no gain over one bucket, and more exposed time "
+      "on deep_mlp (docs/communication.md). For the compressors none, fp16 "
+      "and bf16.", lower=0.0, upper=4096.0)
   allreduce_compression: str = option(
       "none", "How gradients travel through the all-reduce: none (exact), "
       "fp16 or bf16 (cast), powersgd (rank --powersgd_rank, error "

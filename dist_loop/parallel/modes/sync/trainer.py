@@ -51,6 +51,19 @@ class SyncTrainer(Mirrored, LoopTrainer, Reporting):
     compression.check_options(config.mode_options)
     zero.check(config, config.mode_options)
 
+  @classmethod
+  def async_checkpoint_refusal(cls, config):
+    options = config.mode_options
+    if options.shard != "none":
+      return (f"--shard={options.shard} checkpoints optimizer slots gathered "
+              "from their shards, which the background save cannot copy "
+              "(it can with --shard=none)")
+    if compression.has_state(options):
+      return (f"--allreduce_compression={options.allreduce_compression} "
+              "checkpoints each replica's own compressor state, which the "
+              "background save cannot copy")
+    return None
+
   def __init__(self, config, devices, dataset, cluster):
     super().__init__(config, devices, dataset, cluster)
     self.is_chief = cluster.is_chief
