@@ -38,12 +38,11 @@ import keras  # pylint: disable=g-import-not-at-top
 import numpy as np  # pylint: disable=g-import-not-at-top
 import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
-from dist_loop import data  # pylint: disable=g-import-not-at-top
 from dist_loop import models as models_lib  # pylint: disable=g-import-not-at-top
 from dist_loop.data import DATASETS, Dataset  # pylint: disable=g-import-not-at-top
 from dist_loop.models import MODELS  # pylint: disable=g-import-not-at-top
 from dist_loop.runtime import devices  # pylint: disable=g-import-not-at-top
-from tools.benchmarks.common import config, interleaved_times, markdown_table, spread, trainer  # pylint: disable=g-import-not-at-top
+from tools.benchmarks.common import config, interleaved_times, load_data, markdown_table, spread, trainer  # pylint: disable=g-import-not-at-top
 
 WIDTH = 2048
 DEPTH = 4
@@ -186,7 +185,7 @@ def run(quick: bool = False) -> dict:
       trainers.append(sync)
       rows.append((key, flops, label))
     key = (name, "keras fit 1 device", True)
-    variants[key] = _keras_fit_xla(names, flat, data.load(config(
+    variants[key] = _keras_fit_xla(names, flat, load_data(config(
         **flat)), steps_per_loop, loops)
     rows.append((key, flops, label))
   times = interleaved_times(variants, rounds)
