@@ -16,7 +16,6 @@ import math
 import numpy as np
 import tensorflow as tf
 
-from dist_loop.core.errors import UserError
 from dist_loop.core.options import option
 from dist_loop.parallel.compression import base
 from dist_loop.parallel.compression.base import COMPRESSORS, Compressor
@@ -30,7 +29,7 @@ class TopKOptions:
 
   topk_fraction: float = option(
       0.01, "Fraction of each matrix's entries that top-k sends, per "
-      "replica (1 is exact).", lower=0.0, upper=1.0)
+      "replica (1 is exact).", above=0.0, upper=1.0)
 
 
 @COMPRESSORS.register("topk")
@@ -40,12 +39,6 @@ class TopK(Compressor):
   Options = TopKOptions
   takes_buckets = False  # Its collectives need every gradient first.
   MIN_ELEMENTS = 1024  # As PowerSGD's: below it, the exact sum is cheap.
-
-  @classmethod
-  def check(cls, options) -> None:
-    if not 0 < options.topk_fraction <= 1:
-      raise UserError(f"--topk_fraction must be in (0, 1], got "
-                      f"{options.topk_fraction:g}")
 
   def __init__(self, options, variables, seed=0):
     super().__init__(options, variables, seed)
