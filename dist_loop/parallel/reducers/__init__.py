@@ -36,12 +36,16 @@ class _Reducers(Registry):
   `COMPRESSORS` (wrapped in `Replicated.of`) when it is looked up."""
 
   def _adopt(self) -> None:
+    for name in [n for n, e in self._entries.items()
+                 if getattr(e, "adopted", False) and n not in COMPRESSORS]:
+      del self._entries[name]  # Its compressor was unregistered.
     wrapped = {getattr(e, "compressor_class", None)
                for e in self._entries.values()} | set(_CAST_DTYPES.values())
     for name in COMPRESSORS.names():
       compressor = COMPRESSORS.get(name)
       if name not in self._entries and compressor not in wrapped:
         self._entries[name] = Replicated.of(compressor)
+        self._entries[name].adopted = True
 
   def get(self, name):
     self._adopt()
