@@ -114,12 +114,12 @@ RUN_FLAGS: Tuple[str, ...] = _define_run_flags()
 # (`dist_loop/core/aliases.py`); the only flags not generated from a field.
 _DEPRECATED = "deprecated, for one release"
 flags.DEFINE_string(
-    "allreduce_compression", None, "Deprecated, for one release: "
-    "none|fp16|bf16|powersgd|topk|NAME, the old name of --reducer=exact|cast "
+    "allreduce_compression", None, "none|fp16|bf16|powersgd|topk|NAME: "
+    "the old name of --reducer=exact|cast "
     "(with --cast_dtype)|powersgd|topk|NAME.", module_name=_DEPRECATED)
 flags.DEFINE_enum(
     "shard", None, ["none", "optimizer", "gradients", "weights"],
-    "Deprecated, for one release: the old name of --reducer=zero1|zero2|"
+    "The old name of --reducer=zero1|zero2|"
     "zero3 (with --zero_wire_dtype from --allreduce_compression).",
     module_name=_DEPRECATED)
 # The option flags defined so far, by name.

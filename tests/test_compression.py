@@ -231,7 +231,7 @@ def test_warm_up_is_exact_then_a_resume_equals_the_uninterrupted_run(
 
 @pytest.mark.parametrize("flags, per_param", [
     (dict(), 4), (dict(allreduce_compression="bf16"), 2),
-    (dict(allreduce_compression="fp16", num_devices=4), 2)])
+    (dict(reducer="cast", cast_dtype="fp16", num_devices=4), 2)])
 def test_cast_bytes_are_the_wire_dtype_per_weight(small_config, flags,
                                                   per_param):
   trainer = make_trainer(small_config(**{"num_devices": 2, **flags}))

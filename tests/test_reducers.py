@@ -19,6 +19,7 @@ import tensorflow as tf
 from absl import flags
 
 from conftest import run_main
+from dist_loop import configure
 from dist_loop.parallel import compression
 from helpers import kept_registrations
 
@@ -147,3 +148,23 @@ def test_a_workdir_from_before_reducers_resumes_from_its_flags_txt(tmp_path):
   assert code == 0, err
   assert "done: step 4" in out
   assert "--reducer=zero2\n" in path.read_text()  # Under the new names.
+
+
+@pytest.mark.parametrize("old, new", [
+    (dict(allreduce_compression="none"), dict(reducer="exact")),
+    (dict(allreduce_compression="fp16", allreduce_bucket_mb=1.0),
+     dict(reducer="cast", cast_dtype="fp16", allreduce_bucket_mb=1.0)),
+    (dict(allreduce_compression="powersgd", powersgd_rank=2,
+          allreduce_bucket_mb=4.0, topk_fraction=0.01),
+     dict(reducer="powersgd", powersgd_rank=2)),
+    (dict(allreduce_compression="topk", topk_fraction=0.1),
+     dict(reducer="topk", topk_fraction=0.1)),
+    (dict(shard="optimizer"), dict(reducer="zero1")),
+    (dict(shard="weights", allreduce_compression="bf16", powersgd_rank=4),
+     dict(reducer="zero3", zero_wire_dtype="bf16")),
+], ids=["none", "fp16", "powersgd", "topk", "optimizer", "weights_bf16"])
+def test_the_old_flags_make_the_config_of_the_new(old, new):
+  """The old selectors (and the other compressors' options at their
+  defaults, as an old flags.txt holds them) are the reducer's flags."""
+  assert configure.make_config(workdir="w", **old) == configure.make_config(
+      workdir="w", **new)

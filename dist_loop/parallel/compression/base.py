@@ -49,8 +49,8 @@ class BucketOptions:
   allreduce_bucket_mb: float = option(
       BUCKET_MB, "Gradients travel in buckets of at least this many MB on the "
       "wire, each all-reduced as soon as its gradients exist, last layers "
-      "first (0: one bucket, after the whole backward pass). For the "
-      "reducers exact, cast and zero1-3.", lower=0.0, upper=4096.0)
+      "first (0: one bucket, after the whole backward pass).", lower=0.0,
+      upper=4096.0)
 
 
 class Compressor(abc.ABC):
