@@ -3,9 +3,10 @@
 A module written to a temporary directory registers a reducer with an
 option and a per-replica state of its own (a count of the steps it
 reduced, with a Python `if` on a tensor: AutoGraph converts a user's
-reducer). Once the module is loaded its option is a flag; it trains through
-the entry point on 2 replicas exactly as `--reducer=exact` (its arithmetic
-is the exact sum), a rerun resumes its state from the checkpoint, and a
+reducer), and a whole reducer class whose `apply` has such an `if`. Once
+the module is loaded the option is a flag; both train through the entry
+point on 2 replicas exactly as `--reducer=exact` (their arithmetic is the
+exact sum), a rerun resumes its state from the checkpoint, and a
 change of its layout option is refused. A workdir whose flags.txt was
 written before `--reducer` (`--shard`, `--allreduce_compression` and every
 compressor's option) resumes, and its layout is still checked.
@@ -31,6 +32,7 @@ import numpy as np
 from dist_loop.core.options import option
 from dist_loop.parallel import reducers
 from dist_loop.parallel.compression import Compressor, nbytes
+from dist_loop.parallel.compression.cast import Exact
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +59,18 @@ class OutsideSum(Compressor):
 
   def wire_bytes(self):
     return sum(nbytes(s, d) for s, d in zip(self.shapes, self.dtypes))
+
+
+@reducers.REDUCERS.register("outside_guarded")
+class OutsideGuarded(reducers.Replicated):
+  """A whole reducer: the exact one, its update guarded by a Python `if`."""
+
+  compressor_class = Exact
+
+  def apply(self, grads, scale, step, exact):
+    if step < 0:  # A tensor: AutoGraph makes this a tf.cond.
+      grads = [g * 0.0 for g in grads]
+    return reducers.Replicated.apply(self, grads, scale, step, exact)
 '''
 RUN = ["--dataset=synthetic", "--model=mlp", "--num_devices=2",
        "--train_steps=2", "--steps_per_loop=2", "--log_every=2",
@@ -102,15 +116,21 @@ def test_a_reducer_from_outside_the_repo_has_its_flag_trains_and_resumes(
   assert "--outside_scale=1.0\n" in flags_txt
   code, _, err = run_main("--reducer=exact", f"--workdir={exact}", *RUN)
   assert code == 0, err
+  guarded = tmp_path / "guarded"
+  code, _, err = run_main(f"--user_modules={module}",
+                          "--reducer=outside_guarded", f"--workdir={guarded}",
+                          *RUN)
+  assert code == 0, err
   ours, theirs = _checkpoint(mine), _checkpoint(exact)
   assert _counts(ours) == [2.0, 2.0]  # One per replica.
   assert set(theirs) < set(ours)  # The exact run's, and the count.
   numeric = [k for k, v in theirs.items()
              if np.issubdtype(np.asarray(v).dtype, np.number)]
   assert len(numeric) > 4  # Weights, slots, step, ...
-  for name in numeric:
-    np.testing.assert_allclose(ours[name], theirs[name], atol=1e-6,
-                               err_msg=name)
+  for other in (ours, _checkpoint(guarded)):
+    for name in numeric:
+      np.testing.assert_allclose(other[name], theirs[name], atol=1e-6,
+                                 err_msg=name)
 
   code, out, err = run_main(f"--flagfile={mine / 'flags.txt'}",
                             "--train_steps=4")

@@ -26,6 +26,7 @@ from dist_loop.parallel.modes.loop import LoopTrainer, StepResult
 from dist_loop.parallel.modes.mirrored import Mirrored
 from dist_loop.parallel.modes.sync.options import SyncOptions
 from dist_loop.parallel.reducers import REDUCERS
+from dist_loop.runtime import user_code
 from dist_loop.training import precision as precision_lib
 from dist_loop.training import step as step_core
 
@@ -71,6 +72,8 @@ class SyncTrainer(Mirrored, LoopTrainer, Reporting):
           aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
     self.reduction = kind(config.reducer_options, config, self.strategy,
                           self.model, self.loss_scale, self.recipe)
+    for method in ("weights", "apply"):  # A user's reducer: AutoGraph.
+      user_code.convert_method(self.reduction, method)
     self.optimizer = self.reduction.optimizer
     self.float32_bytes = compression.wire.float32_bytes_per_step(
         self.model.trainable_variables)
