@@ -21,7 +21,9 @@ from absl import flags
 
 from conftest import run_main
 from dist_loop import configure
+from dist_loop.core.errors import UserError
 from dist_loop.parallel import compression
+from dist_loop.runtime.cluster import Cluster
 from helpers import kept_registrations
 
 MODULE = '''
@@ -188,3 +190,15 @@ def test_the_old_flags_make_the_config_of_the_new(old, new):
   defaults, as an old flags.txt holds them) are the reducer's flags."""
   assert configure.make_config(workdir="w", **old) == configure.make_config(
       workdir="w", **new)
+
+
+@pytest.mark.parametrize("flat", [dict(reducer="cast"),
+                                  dict(allreduce_bucket_mb=1.0),
+                                  dict(shard="optimizer")],
+                         ids=["reducer", "option", "old_flag"])
+def test_a_mode_without_a_reducer_refuses_one(flat):
+  with pytest.raises(UserError, match="^--mode=async does not use a reducer; "
+                     "drop --reducer and its options"):
+    configure.validate(configure.make_config(
+        workdir="w", mode="async", dataset="synthetic", model="mlp", **flat),
+                       Cluster())
