@@ -8,7 +8,7 @@ comma := ,
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
-.PHONY: install train test bench screenshots clean
+.PHONY: install train test check-flagfiles bench screenshots clean
 
 install: $(STAMP)
 
@@ -23,6 +23,12 @@ train: install
 
 test: install
 	$(PY) -m pytest -q -n 2 --dist loadscope --no-loadscope-reorder tests
+
+# Every flagfile of experiments/configs/ run as its header says, its
+# `# promise:` lines checked; the table goes into docs/flagfiles.md.
+# Tens of minutes of CPU: not part of `make test`.
+check-flagfiles: install
+	$(PY) -m tools.check_flagfiles --record=docs/flagfiles.md
 
 bench: install
 	$(PY) -m tools.bench --suite=all --out=bench.json

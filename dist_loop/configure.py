@@ -130,7 +130,7 @@ def validate(config: Config, cluster: cluster_lib.Cluster) -> Config:
   if cluster.num_tasks > 1 and not trainer_class.multi_process:
     raise UserError(f"--mode={config.mode} runs in one process, but "
                     "TF_CONFIG describes a cluster; unset TF_CONFIG, or use "
-                    "a multi-process mode (--mode=sync or --mode=ps)")
+                    "a multi-process mode (--mode=sync, local_sgd or ps)")
   trainer_class.check_capabilities(config)
   trainer_class.validate(config, cluster)
   return config

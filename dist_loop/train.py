@@ -23,6 +23,7 @@ import tensorflow as tf
 from absl import logging
 
 from dist_loop import configure, data
+from dist_loop import models
 from dist_loop import tasks
 from dist_loop.control import actions
 from dist_loop.control import divergence
@@ -35,7 +36,7 @@ from dist_loop.parallel.modes import MODES, build_trainer
 from dist_loop.parallel.modes.base import Reporting
 from dist_loop.runtime import checkpoints, console
 from dist_loop.runtime import cluster as cluster_lib
-from dist_loop.runtime import devices
+from dist_loop.runtime import devices, goodput
 from dist_loop.runtime import preemption
 from dist_loop.runtime import workdir as workdir_lib
 from dist_loop.runtime.files import atomic_write_text
@@ -79,14 +80,18 @@ def run(config: Config, flags_text: Optional[str] = None,
 
 
 def _run(config, flags_text, cluster):
+  clock = goodput.Clock()  # Start-up's phases, written once there is a run.
   if cluster is None:
     cluster = cluster_lib.current()
   config = configure.validate(config, cluster)
   workdir_lib.check(config, dirs=(LOGDIR,))  # Before joining a cluster.
   mode = MODES.get(config.mode)
+  clock.lap("build")
   mode.join_cluster(config, cluster)  # Before TensorFlow starts.
-  lock = workdir_lib.Lock(config.workdir, workdir_lib.lock_name(
-      cluster.task_type, cluster.task_index, cluster.is_chief))
+  clock.lap("join")
+  lock_name = workdir_lib.lock_name(cluster.task_type, cluster.task_index,
+                                    cluster.is_chief)
+  lock = workdir_lib.Lock(config.workdir, lock_name)
   with lock:
     workdir_lib.check(config, dirs=(LOGDIR,))  # As no other run can change it.
     device_names = devices.configure(config.num_devices, config.device_type,
@@ -95,24 +100,28 @@ def _run(config, flags_text, cluster):
     keras.utils.set_random_seed(config.seed)
     if config.deterministic:
       tf.config.experimental.enable_op_determinism()
-    dataset = data.load(config)
+    dataset = data.load(config, models.image_size_for(config.model))
     # What the loader did not declare, the loaded data tells.
     configure.check_fit(config.model, config.dataset, data.given(dataset))
     try:
       trainer = build_trainer(config, device_names, dataset, cluster)
+      clock.lap("build")
       try:
-        return _train(config, trainer, dataset, cluster, flags_text)
+        return _train(config, trainer, dataset, cluster, flags_text,
+                      (clock, goodput.file_name(lock_name)))
       finally:
         trainer.close()
     except tf.errors.OpError as e:
-      error = mode.cluster_error(config, cluster, e)
+      error = (data.input_error(e)
+               or mode.cluster_error(config, cluster, e))
       if error is None:
         raise
       raise error from None
 
 
-def _train(config, trainer, dataset, cluster, flags_text):
-  """Everything that writes to the workdir, in order."""
+def _train(config, trainer, dataset, cluster, flags_text, record):
+  """Everything that writes to the workdir, in order. `record` is (the
+  start-up's `goodput.Clock`, the name of this process's goodput record)."""
   workdir = config.workdir
   previous_flags = workdir_lib.previous_flags(config)
   # --allow_config_change let a changed optimizer through: fresh slots.
@@ -120,14 +129,25 @@ def _train(config, trainer, dataset, cluster, flags_text):
            and config.optimizer_change(previous_flags) else ())
   checkpointer = checkpoints.Checkpointer(
       trainer.checkpoint_items(), workdir, config.max_checkpoints,
-      trainer.is_chief, cluster.task_index, fresh=fresh)
+      trainer.is_chief, cluster.task_index, config.async_checkpoint,
+      fresh=fresh)
+  clock, record_name = record
+  clock.lap("build")
   resumed = checkpointer.restore(trainer.scope())
+  clock.lap("restore")
   summary_path = os.path.join(workdir, SUMMARY_FILE)
   previous = _read_summary(summary_path)
   if trainer.is_chief:
     _write(os.path.join(workdir, FLAGS_FILE),
            flags_text or config.to_flagfile())
+  recorder = goodput.Recorder(os.path.join(workdir, record_name), clock, {
+      "checkpoint_every": config.checkpoint_every,
+      "expected_failure_interval_s": config.expected_failure_interval_s,
+      "async_checkpoint": config.async_checkpoint})
+  recorder.restore(checkpointer.saved_step if resumed else None, 0.0)
+  recorder.write()  # Start-up is on record even if the first loop dies.
   summaries = Summaries(workdir, enabled=trainer.is_chief)
+  completed = False
   try:
     summaries.hparams(_hparams(config))
     logging.info("%s", console.banner(config, trainer.devices, trainer.model,
@@ -139,17 +159,20 @@ def _train(config, trainer, dataset, cluster, flags_text):
     recovery = NonFinitePolicy(config, checkpointer, trainer, summaries)
     inputs = _inputs(config, trainer, dataset, checkpointer, summaries,
                      summary_path if trainer.is_chief else None,
-                     [recovery.summary], previous)
+                     [recovery.summary], previous, recorder)
     run_actions = actions.standard(config, inputs)
     stop = preemption.Sigterm(
         config.grace_period_s,
         preemption.Agreement.for_run(trainer.scope, cluster))
     step = Controller(trainer, run_actions, train_steps=config.train_steps,
                       steps_per_loop=config.steps_per_loop,
-                      recovery=recovery, stop=stop).run()
+                      recovery=recovery, stop=stop, goodput=recorder).run()
     summary = next(a for a in run_actions
                    if isinstance(a, actions.Summary)).written
+    completed = True
   finally:
+    checkpointer.close()  # An error ends the run: its save still completes.
+    recorder.write(final=completed)
     summaries.close()
   if summary.get("diverged"):
     raise DivergedError(divergence.message(summary["diverged"], step),
@@ -168,12 +191,15 @@ def _changes_line(changes, fresh_optimizer: bool) -> str:
 
 
 def _inputs(config, trainer, dataset, checkpointer, summaries, summary_path,
-            summary_parts, previous) -> actions.Inputs:
+            summary_parts, previous, recorder) -> actions.Inputs:
   """What the actions need, taken from the trainer here and only here."""
   task = tasks.for_dataset(dataset)
   reporting = isinstance(trainer, Reporting)
   if reporting:
     summary_parts = [*summary_parts, trainer.summary]
+  summary_parts = [*summary_parts, lambda: {  # data/bad_records: bad_records
+      k.split("/")[-1]: v for k, v in data.input_metrics(dataset).items()}]
+  optimizer = trainer.optimizer
   return actions.Inputs(
       summaries=summaries,
       evaluator=Evaluator(trainer.model, dataset, config.eval_batch_size,
@@ -196,7 +222,8 @@ def _inputs(config, trainer, dataset, checkpointer, summaries, summary_path,
       tokens_per_example=task.predictions_per_example(dataset.train_y),
       summary_path=summary_path,
       summary_parts=summary_parts,
-      previous=previous)
+      previous=previous,
+      goodput=recorder)
 
 
 def _read_summary(path: str) -> Mapping[str, object]:

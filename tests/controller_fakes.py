@@ -106,6 +106,7 @@ class FakeCheckpointer:
   def __init__(self, trainer, log):
     self.trainer, self.log = trainer, log
     self.saved = []
+    self.waited = []  # saved_step at each wait for a background save.
 
   @property
   def saved_step(self):
@@ -118,6 +119,9 @@ class FakeCheckpointer:
     self.saved.append(step)
     self.log.append(("save", step))
     return f"ckpt-{step}"
+
+  def wait(self):
+    self.waited.append(self.saved_step)
 
   def restore(self, scope):
     del scope

@@ -1,4 +1,5 @@
-"""Building a trainer in the test process and reading its variables.
+"""Building a trainer in the test process, reading its variables and what
+its traced step hands to the collectives.
 
 Tests of one mode compare its variables with another's, so they share these
 instead of importing them from each other's test files. `conftest.py` holds
@@ -8,11 +9,14 @@ the fixtures and the helpers that run whole programs (`run_main`,
 
 import contextlib
 import sys
+import threading
+from unittest import mock
 
 import keras
 import numpy as np
+import tensorflow as tf
 
-from dist_loop import configure, data
+from dist_loop import configure, data, models
 from dist_loop.data.base import DATASETS, Dataset
 from dist_loop.parallel.modes import build_trainer
 from dist_loop.runtime import devices
@@ -29,13 +33,19 @@ def _nan_dataset(data_dir, seed, image_size=None):
   return Dataset(x, y, x[:8], y[:8], 10)
 
 
+def load_data(config):
+  """The config's dataset as `train.run` loads it: images at the size the
+  model wants."""
+  return data.load(config, models.image_size_for(config.model))
+
+
 def make_trainer(config):
   """The config's trainer, built in this process as `train.run` builds it,
   without the controller (no evaluation, checkpoints or summaries)."""
   config = configure.validate(config, Cluster())
   keras.utils.set_random_seed(config.seed)
   return build_trainer(config, devices.configure(config.num_devices, "cpu"),
-                       data.load(config), Cluster())
+                       load_data(config), Cluster())
 
 
 def variables(trainer):
@@ -85,3 +95,50 @@ def kept_registrations(*registries):
     for name in set(sys.modules) - saved[3]:
       del sys.modules[name]
     sys.path[:] = saved[4]
+
+
+def step_graph(trainer, examples=32):
+  """The graph of one traced sync step of `trainer` (`replica_step` of the
+  compressor's variant under its strategy), nothing run."""
+  x = tf.constant(trainer.dataset.train_x[:examples])
+  y = tf.constant(trainer.dataset.train_y[:examples])
+
+  @tf.function(autograph=False)
+  def step(x, y):
+    return trainer.strategy.run(
+        lambda x, y: trainer.replica_step((x, y), None).shares, args=(x, y))
+
+  return step.get_concrete_function(x, y).graph
+
+
+def handed_bytes(trainer):
+  """([(collective, bytes)], graph): in call order, what replica 0 hands to
+  `ReplicaContext.all_reduce` and `all_gather` in one traced step, and
+  that step's graph (`step_graph`). The bytes are the static shapes and
+  dtypes of the tensors the step sends, counted where they enter the
+  collectives, not by a formula."""
+  calls = []
+  inside = threading.local()  # Each replica runs in a thread of its own.
+
+  def counting(name, value_of):
+    original = getattr(tf.distribute.ReplicaContext, name)
+
+    def wrapper(self, *args, **kwargs):
+      depth = getattr(inside, "depth", 0)
+      if depth == 0 and tf.get_static_value(
+          self.replica_id_in_sync_group) == 0:
+        calls.append((name, sum(
+            t.shape.num_elements() * t.dtype.size
+            for t in tf.nest.flatten(value_of(*args, **kwargs)))))
+      inside.depth = depth + 1
+      try:
+        return original(self, *args, **kwargs)
+      finally:
+        inside.depth = depth
+
+    return mock.patch.object(tf.distribute.ReplicaContext, name, wrapper)
+
+  with counting("all_reduce", lambda op, value, options=None: value), \
+      counting("all_gather", lambda value, axis, options=None: value):
+    graph = step_graph(trainer)
+  return calls, graph

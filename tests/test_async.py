@@ -12,8 +12,9 @@ import pytest
 import tensorflow as tf
 
 from conftest import read_events
+from helpers import load_data
 from dist_loop import train
-from dist_loop import UserError, configure, data, models
+from dist_loop import UserError, configure, models
 from dist_loop.control import weights
 from dist_loop.control.evaluation import Evaluator
 from dist_loop.core.errors import Interrupted
@@ -34,7 +35,7 @@ def async_threads():
 
 def build(config):
   config = configure.validate(config, Cluster())
-  split = data.load(config)
+  split = load_data(config)
   names = devices.configure(config.num_devices, "cpu")
   keras.utils.set_random_seed(config.seed)
   return AsyncTrainer(config, names, split, Cluster()), split
@@ -192,7 +193,7 @@ def test_run_logs_staleness_and_resumes_in_sync_mode(small_config):
   assert resumed["final_step"] == 25
   # The checkpoint holds the master that the run evaluated last.
   model = weights.load_model(sync)
-  evaluator = Evaluator(model, data.load(sync), 256)  # Traced once.
+  evaluator = Evaluator(model, load_data(sync), 256)  # Traced once.
   loaded = evaluator.evaluate()
   assert loaded["eval/loss"] == pytest.approx(resumed["eval_loss"], abs=1e-6)
   model.set_weights(weights.load_model(

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from helpers import load_data
 from dist_loop import UserError, configure, data, models, tasks
 from dist_loop.parallel.modes.asynchronous import policies
 from dist_loop.parallel.modes.asynchronous.applier import Applier
@@ -212,7 +213,7 @@ def fp16_trainer(small_config, **overrides):
       learning_rate=0.01, **overrides), Cluster())
   names = devices.configure(config.num_devices, "cpu")
   keras.utils.set_random_seed(config.seed)
-  return AsyncTrainer(config, names, data.load(config), Cluster())
+  return AsyncTrainer(config, names, load_data(config), Cluster())
 
 
 def fresh_push(trainer, worker):

@@ -2,47 +2,52 @@
 
 The buckets must (1) travel as several collectives, last layers first, each
 depending only on its own gradients, so that communication can overlap the
-rest of the backward pass, and (2) change nothing in the math: bucketed
-equals one bucket, crossed with accumulation, bf16 on the wire, mixed
-precision and resume, in one test (the float32 wire cuts its buckets as
-the bf16 one does: both are `compression/cast.py`'s `Cast`). The
-multi-process crossing is in test_multiworker.py.
+rest of the backward pass, (2) carry every gradient once, in packs of at
+least the bucket size, measured from the collectives of a traced step, and
+(3) change nothing in the math: bucketed equals one bucket, crossed with
+accumulation, bf16 on the wire, mixed precision and resume, in one test
+(the float32 wire cuts its buckets as the bf16 one does: both are
+`compression/cast.py`'s `Cast`). The multi-process crossing is in
+test_multiworker.py.
 """
 
 import os
 
+import keras
+import numpy as np
 import pytest
 import tensorflow as tf
 
 from conftest import max_diff, read_events, trained_variables
-from dist_loop import configure, data
+from dist_loop import configure, models
 from dist_loop.core.errors import UserError
 from dist_loop.parallel.modes import build_trainer
 from dist_loop.runtime import checkpoints, devices
 from dist_loop.runtime.cluster import Cluster
-from helpers import make_trainer, variables
+from helpers import (handed_bytes, load_data, make_trainer, step_graph,
+                     variables)
 
 TINY_BUCKET_MB = 0.001  # About 1 KB: every gradient of the test MLP its own.
+MB = 2**20
+# Six 1 MB kernels among small ones: the default bucket (4 MB) decides the
+# packs.
+models.MODELS.register("buckets_test_deep")(
+    lambda input_shape, num_classes: (
+        [keras.layers.Flatten(), keras.layers.Dense(512)]
+        + [keras.layers.Dense(512) for _ in range(6)]
+        + [keras.layers.Dense(num_classes)]))
 
 
 def _trainer(small_config, **overrides):
   config = configure.validate(small_config(**overrides), Cluster())
   names = devices.configure(config.num_devices, "cpu")
-  return build_trainer(config, names, data.load(config), Cluster())
+  return build_trainer(config, names, load_data(config), Cluster())
 
 
-def _collectives(trainer):
-  """The all-reduces of one traced step, in the order they were created,
-  each with the names of every op it depends on."""
-  x, y = (tf.constant(trainer.dataset.train_x[:32]),
-          tf.constant(trainer.dataset.train_y[:32]))
-
-  @tf.function(autograph=False)
-  def step(x, y):
-    return trainer.strategy.run(
-        lambda x, y: trainer.replica_step((x, y), None).shares, args=(x, y))
-
-  graph = step.get_concrete_function(x, y).graph
+def _collectives(graph):
+  """The all-reduces of a traced step's `graph` (`helpers.step_graph`), in
+  the order they were created, each with the names of every op it depends
+  on."""
   out = []
   for op in graph.get_operations():
     if (op.type != "CollectiveReduceV2"
@@ -59,6 +64,18 @@ def _collectives(trainer):
   return out
 
 
+def _pack_bytes(collectives):
+  """The bytes each all-reduce of `_collectives` carries."""
+  return [op.inputs[0].shape.num_elements() * op.inputs[0].dtype.size
+          for op, _ in collectives]
+
+
+def _weight_bytes(trainer):
+  """The bytes of the gradients: one per weight, of its dtype."""
+  return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize
+             for v in trainer.model.trainable_variables)
+
+
 def _gradient_of(layer, names):
   """Whether any op among `names` is the backward pass of `layer`."""
   return any(n.startswith("gradient_tape") and f"/{layer}" in n
@@ -68,8 +85,9 @@ def _gradient_of(layer, names):
 @pytest.fixture(name="runs", scope="module")
 def _runs():
   """{bucket MB: collectives of a traced step} of float32 sync on 2
-  replicas, in tiny buckets and in one. Nothing is trained: that bucketed
-  equals one bucket is `test_bucketed_and_resumed_equals_one_bucket...`."""
+  replicas, in tiny buckets and in one, and "gradient": the gradient's
+  bytes. Nothing is trained: that bucketed equals one bucket is
+  `test_bucketed_and_resumed_equals_one_bucket...`."""
   from dist_loop import make_config  # pylint: disable=g-import-not-at-top
   out = {}
   for bucket_mb in (TINY_BUCKET_MB, 0.0):
@@ -78,8 +96,9 @@ def _runs():
         num_devices=2, global_batch_size=32, optimizer="sgd",
         learning_rate=0.1, seed=0, allreduce_bucket_mb=bucket_mb), Cluster())
     trainer = build_trainer(config, devices.configure(2, "cpu"),
-                            data.load(config), Cluster())
-    out[bucket_mb] = _collectives(trainer)
+                            load_data(config), Cluster())
+    out[bucket_mb] = _collectives(step_graph(trainer))
+    out["gradient"] = _weight_bytes(trainer)
     trainer.close()
   return out
 
@@ -101,6 +120,13 @@ def test_one_bucket_waits_for_the_whole_backward_pass(runs):
   assert len(collectives) == 1
   assert _gradient_of("dense_1", collectives[0][1])
   assert _gradient_of("logits", collectives[0][1])
+
+
+def test_packs_carry_every_gradient_once_each_at_least_a_bucket(runs):
+  for bucket_mb in (TINY_BUCKET_MB, 0.0):
+    packs = _pack_bytes(runs[bucket_mb])
+    assert sum(packs) == runs["gradient"]
+    assert min(packs[:-1], default=np.inf) >= bucket_mb * MB
 
 
 def test_bucketed_and_resumed_equals_one_bucket_with_accumulation_and_bf16(
@@ -134,17 +160,27 @@ def test_a_compressor_that_cannot_take_buckets_says_so(small_config,
     configure.validate(small_config(
         num_devices=2, allreduce_compression=compression,
         allreduce_bucket_mb=1.0), Cluster())
-  # At the default it runs, with its own collectives.
-  trainer = _trainer(small_config, num_devices=2,
-                     allreduce_compression=compression)
-  assert trainer.reduction.compressor.communication.bytes_per_pack == 0
+  # Built past the check, tiny buckets change nothing: each of its calls
+  # (PowerSGD's: several tensors, well above a tiny bucket together) is one
+  # collective of all it hands over.
+  config = small_config(num_devices=2, allreduce_compression=compression,
+                        allreduce_bucket_mb=TINY_BUCKET_MB)
+  trainer = build_trainer(config, devices.configure(2, "cpu"),
+                          load_data(config), Cluster())
+  calls, graph = handed_bytes(trainer)
+  assert _pack_bytes(_collectives(graph)) == [
+      n for kind, n in calls if kind == "all_reduce"]
   trainer.close()
 
 
-def test_the_default_bucket_reaches_the_collectives(small_config):
-  trainer = _trainer(small_config, num_devices=2)
+def test_the_default_bucket_cuts_a_gradient_larger_than_it(small_config):
+  """6.3 MB of gradients, in 1 MB and smaller pieces: with the default
+  bucket (4 MB) they travel in packs of at least 4 MB, the last possibly
+  smaller, each gradient once."""
+  trainer = _trainer(small_config, num_devices=2, model="buckets_test_deep")
   default_mb = trainer.config.reducer_options.allreduce_bucket_mb
-  assert default_mb > 0
-  assert (trainer.reduction.compressor.communication.bytes_per_pack
-          == int(default_mb * 2**20))
+  packs = _pack_bytes(_collectives(step_graph(trainer)))
+  assert default_mb * MB < _weight_bytes(trainer)
+  assert len(packs) >= 2 and sum(packs) == _weight_bytes(trainer)
+  assert min(packs[:-1]) >= default_mb * MB
   trainer.close()

@@ -10,7 +10,8 @@ import pytest
 import tensorflow as tf
 
 from conftest import REPO
-from dist_loop import configure, data
+from helpers import load_data
+from dist_loop import configure
 from dist_loop import train
 from dist_loop.control import weights
 from dist_loop.core.config import parse_flagfile
@@ -234,7 +235,7 @@ def test_a_checkpoint_from_before_the_restructure_restores(small_config,
   shutil.copytree(V0, workdir)  # Restoring must never write to the repo.
   config = configure.validate(_v0_config(small_config, workdir),
                               cluster.Cluster())
-  dataset = data.load(config)
+  dataset = load_data(config)
   trainer = build_trainer(config, devices.configure(2, "cpu"), dataset,
                           cluster.Cluster())
   saved = tf.train.load_checkpoint(str(workdir / "checkpoints" / "ckpt-4"))

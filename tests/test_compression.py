@@ -9,7 +9,8 @@ first.
 * A resumed run equals the uninterrupted one: every replica's state is in
   the checkpoint (one PowerSGD run, rank 1 after a warm-up, answers this and
   the warm-up's exactness).
-* The bytes on the wire are counted as each compressor sends them.
+* The bytes a run reports are those its traced step hands to the
+  collectives (`helpers.handed_bytes`), and a cast sends half of float32.
 """
 
 import os
@@ -26,23 +27,29 @@ from dist_loop.runtime import checkpoints, devices
 from dist_loop.runtime import strategy as strategy_lib
 from dist_loop.runtime.cluster import Cluster
 from dist_loop.runtime.summaries import LOGDIR
-from helpers import make_trainer, variables
+from helpers import handed_bytes, make_trainer, variables
 
 STEPS = 12
-# The mlp on synthetic data: kernels 10x128 and 128x10, biases 128 and 10.
-KERNELS, BIASES = ((10, 128), (128, 10)), (128, 10)
-PARAMS = sum(n * m for n, m in KERNELS) + sum(BIASES)
 
 
-def _train(config, steps=STEPS, halfway=None):
+def _handed(trainer) -> int:
+  """Bytes one replica hands to the collectives in a step of `trainer`."""
+  return sum(n for _, n in handed_bytes(trainer)[0])
+
+
+def _train(config, steps=STEPS, halfway=None, measure=False):
   """(variables, summary) after `steps`; with a list `halfway`, the
-  variables after `steps // 2` are appended to it."""
+  variables after `steps // 2` are appended to it; with `measure`, the
+  summary also has `handed`, the bytes a step then hands over (`_handed`)."""
   trainer = make_trainer(config)
   trainer.train(steps // 2)
   if halfway is not None:
     halfway.append(variables(trainer))
   trainer.train(steps - steps // 2)
-  out = variables(trainer), trainer.summary()
+  summary = trainer.summary()
+  if measure:
+    summary["handed"] = _handed(trainer)
+  out = variables(trainer), summary
   trainer.close()
   return out
 
@@ -50,35 +57,38 @@ def _train(config, steps=STEPS, halfway=None):
 @pytest.fixture(name="exact", scope="module")
 def _exact():
   """Variables of float32 and float16 sync after STEPS (SGD, 2 replicas),
-  and of float32 after STEPS // 2 ("halfway")."""
+  and of float32 after STEPS // 2 ("halfway"); "bytes": what a float32 step
+  hands to the collectives."""
   from dist_loop import make_config  # pylint: disable=g-import-not-at-top
   out, halfway = {}, []
   for precision in ("float32", "mixed_float16"):
-    out[precision] = _train(make_config(
+    out[precision], summary = _train(make_config(
         workdir="/tmp/unused", dataset="synthetic", model="mlp",
         num_devices=2, global_batch_size=32, optimizer="sgd",
-        learning_rate=0.1, seed=0, precision=precision), halfway=halfway)[0]
+        learning_rate=0.1, seed=0, precision=precision), halfway=halfway,
+        measure=precision == "float32")
+    out.setdefault("bytes", summary.get("handed"))
   out["halfway"] = halfway[0]
   return out
 
 
-@pytest.mark.parametrize("flags, wire_bytes", [
-    # Rank 10 is the full rank of both kernels: P and Q of (n + m) x 10.
-    (dict(allreduce_compression="powersgd", powersgd_rank=10),
-     4 * (sum(BIASES) + sum((n + m) * 10 for n, m in KERNELS))),
+@pytest.mark.parametrize("flags, counted", [
+    # Rank 10 is the full rank of both kernels of the MLP (10x128, 128x10).
+    (dict(allreduce_compression="powersgd", powersgd_rank=10), True),
     (dict(allreduce_compression="powersgd", powersgd_rank=10,
-          precision="mixed_float16"), None),
-    # Every entry, each with its int32 index.
-    (dict(allreduce_compression="topk", topk_fraction=1.0),
-     4 * sum(BIASES) + 8 * sum(n * m for n, m in KERNELS)),
+          precision="mixed_float16"), False),
+    (dict(allreduce_compression="topk", topk_fraction=1.0), True),
 ], ids=["powersgd_full_rank", "powersgd_float16", "topk_1"])
 def test_exact_settings_equal_the_exact_all_reduce(small_config, exact,
-                                                   flags, wire_bytes):
+                                                   flags, counted):
   precision = flags.get("precision", "float32")
-  trained, summary = _train(small_config(num_devices=2, **flags))
+  trained, summary = _train(small_config(num_devices=2, **flags),
+                            measure=counted)
   assert max_diff(trained, exact[precision]) <= 1e-5
-  if wire_bytes is not None:  # The compressed path ran, and was counted.
-    assert summary["allreduce_bytes_per_step"] == wire_bytes
+  if counted:  # The compressed path ran, and was counted as it sends.
+    assert summary["allreduce_bytes_per_step"] == summary["handed"]
+  if flags["allreduce_compression"] == "topk":  # Each entry and its index.
+    assert summary["handed"] > exact["bytes"]
 
 
 def test_lossy_top_k_differs_from_exact(small_config, exact):
@@ -99,11 +109,11 @@ def test_the_extension_compressor_trains_alike_on_any_replica_count(
   one, _ = _train(small_config(num_devices=1, reducer="randomk",
                                randomk_fraction=fraction))
   two, summary = _train(small_config(num_devices=2, reducer="randomk",
-                                     randomk_fraction=fraction))
+                                     randomk_fraction=fraction), measure=True)
   assert max_diff(one, two) <= 1e-5
   assert max_diff(two, exact["float32"]) > 1e-3
-  picked = sum(int(np.ceil(fraction * n * m)) for n, m in KERNELS)
-  assert summary["allreduce_bytes_per_step"] == 4 * (sum(BIASES) + picked)
+  assert summary["allreduce_bytes_per_step"] == summary["handed"]
+  assert summary["handed"] < exact["bytes"] / 5
 
 
 # -- error feedback, on one reduce of known gradients --
@@ -213,32 +223,37 @@ def test_warm_up_is_exact_then_a_resume_equals_the_uninterrupted_run(
   assert np.abs(np.asarray(residual)).max() > 1e-3  # Saved far from 0.
   whole.train(3)
   assert max_diff(variables(whole), exact["float32"]) > 1e-3
+  compressed = _handed(whole)  # Rank 1, as a step after the warm-up sends.
+  assert compressed < exact["bytes"] / 5
   summary = train.run(config)
   assert summary["final_step"] == STEPS
   assert max_diff(variables(whole), checkpoint_variables(config)) <= 1e-6
   whole.close()
-  # Rank 1: P and Q of (n + m) x 1, and the biases exactly.
-  compressed = 4 * (sum(BIASES) + sum(n + m for n, m in KERNELS))
+  # The warm-up's steps hand over float32's bytes, the others rank 1's.
   assert summary["allreduce_bytes_total"] == STEPS // 2 * (
-      4 * PARAMS + compressed)
+      exact["bytes"] + compressed)
   assert summary["allreduce_bytes_per_step"] == (
       summary["allreduce_bytes_total"] / STEPS)
   events = read_events(os.path.join(config.workdir, LOGDIR))
   assert events["train/comm/bytes_per_step"] == {STEPS: compressed}
   assert events["train/comm/ratio_to_float32"][STEPS] == pytest.approx(
-      compressed / (4 * PARAMS), rel=1e-6)
+      compressed / exact["bytes"], rel=1e-6)
 
 
-@pytest.mark.parametrize("flags, per_param", [
-    (dict(), 4), (dict(allreduce_compression="bf16"), 2),
-    (dict(reducer="cast", cast_dtype="fp16", num_devices=4), 2)])
-def test_cast_bytes_are_the_wire_dtype_per_weight(small_config, flags,
-                                                  per_param):
+@pytest.mark.parametrize("flags, ratio", [
+    (dict(), 1.0), (dict(allreduce_compression="bf16"), 0.5),
+    (dict(reducer="cast", cast_dtype="fp16", num_devices=4), 0.5)])
+def test_a_cast_hands_over_every_weight_at_its_wire_dtype(small_config, exact,
+                                                          flags, ratio):
+  """float32: 4 bytes per parameter of the model, all in the step's
+  collectives; a 2-byte wire type half of that, at any replica count."""
   trainer = make_trainer(small_config(**{"num_devices": 2, **flags}))
-  assert trainer.summary()["allreduce_bytes_per_step"] == per_param * PARAMS
-  assert trainer.summary()["allreduce_ratio_to_float32"] == per_param / 4
-  assert trainer.report().scalars["comm/bytes_per_step"] == (
-      per_param * PARAMS)
+  handed = _handed(trainer)
+  assert exact["bytes"] == 4 * trainer.model.count_params()
+  assert handed == ratio * exact["bytes"]
+  assert trainer.summary()["allreduce_bytes_per_step"] == handed
+  assert trainer.summary()["allreduce_ratio_to_float32"] == ratio
+  assert trainer.report().scalars["comm/bytes_per_step"] == handed
   trainer.close()
 
 

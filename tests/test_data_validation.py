@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from conftest import run_main
+from helpers import load_data
 from dist_loop import data, make_config
 from dist_loop.core.errors import UserError
 from dist_loop.data import base
@@ -222,7 +223,7 @@ def test_fuzzed_mnist_files_load_or_are_refused_in_one_line(tmp_path, model):
     config = make_config(workdir=str(tmp_path / "run"), dataset="mnist",
                          model=model, data_dir=str(directory))
     try:
-      split = data.load(config)
+      split = load_data(config)
     except UserError as e:
       message = str(e)
       assert "\n" not in message, (how, message)
@@ -294,7 +295,7 @@ def test_fuzzed_text_files_load_or_are_refused_in_one_line(tmp_path):
     config = make_config(workdir=str(tmp_path / "run"), dataset="text",
                          data_file=path, seq_len=seq_len)
     try:
-      split = data.load(config)
+      split = load_data(config)
     except UserError as e:
       assert "\n" not in str(e) and str(e).startswith(f"--data_file={path}")
       assert refusal is not None and refusal in str(e), (path, str(e))

@@ -204,10 +204,6 @@ LAYERS = {
     "control": {"core", "runtime", "tasks", "training", "models", "data"},
 }
 TOP = {"dist_loop", "dist_loop.configure", "dist_loop.train"}
-# Upward imports that remain to be removed; the list may only shrink.
-KNOWN_UPWARD = {
-    ("dist_loop.data.base", "dist_loop.models"),
-}
 
 
 def _layer(module: str) -> Optional[str]:
@@ -225,18 +221,12 @@ def test_imports_go_only_down_the_layers():
   upward = []
   for module, line, target in edges():
     layer, to = _layer(module), _layer(target)
-    if layer is None or to == layer or (module, target) in KNOWN_UPWARD:
+    if layer is None or to == layer:
       continue
     if to is None or to not in LAYERS[layer]:
       upward.append(f"  {MODULES[module][len(REPO) + 1:]}:{line}: "
                     f"{module} ({layer}) -> {target} ({to or 'top'})")
   assert not upward, "imports against the layers:\n" + "\n".join(upward)
-
-
-def test_known_upward_imports_still_exist():
-  found = {(a, b) for a, _, b in edges()}
-  gone = KNOWN_UPWARD - found
-  assert not gone, f"remove from KNOWN_UPWARD, they are fixed: {gone}"
 
 
 def test_the_layer_checker_catches_an_upward_import(monkeypatch):

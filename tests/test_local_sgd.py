@@ -17,9 +17,9 @@ import pytest
 import tensorflow as tf
 
 from conftest import max_diff
-from helpers import NAN_DATASET
+from helpers import NAN_DATASET, load_data
 import dist_loop.parallel.modes.local_sgd  # noqa: F401  (registers the mode)
-from dist_loop import configure, data, train
+from dist_loop import configure, train
 from dist_loop.core.errors import NonFiniteError, UserError
 from dist_loop.data.stream import train_dataset_fn
 from dist_loop.parallel.modes import build_trainer
@@ -40,7 +40,7 @@ def _trainer(config):
   config = configure.validate(config, Cluster())
   names = devices.configure(config.num_devices, "cpu")
   keras.utils.set_random_seed(config.seed)
-  return build_trainer(config, names, data.load(config), Cluster())
+  return build_trainer(config, names, load_data(config), Cluster())
 
 
 def _components(trainer, variables):

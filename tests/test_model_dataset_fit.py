@@ -8,6 +8,7 @@ import pytest
 
 from dist_loop import configure, data, models
 from dist_loop.core.errors import UserError
+from dist_loop.data import shard_writer
 from experiments import extensions  # noqa: F401  (registers residual_cnn)
 from tests.conftest import run_main
 
@@ -30,6 +31,14 @@ def _flags(dataset, tmp_path):
     return {"data_file": str(path), "seq_len": SEQ_LEN}
   if dataset == "pysource":
     return {"seq_len": SEQ_LEN}
+  if dataset == "shards":  # Digits' first images, as shards.
+    digits = data.DATASETS.get("digits")(None, 0, None)
+    small = data.Dataset(digits.train_x[:8], digits.train_y[:8],
+                         digits.eval_x[:4], digits.eval_y[:4],
+                         digits.num_classes)
+    shard_writer.write(small, "tfrecord", 1, str(tmp_path / "shards"), 0,
+                       {"dataset": "digits"})
+    return {"data_dir": str(tmp_path / "shards")}
   return {}
 
 
@@ -44,7 +53,7 @@ def loaded(tmp_path_factory):
       config = configure.make_config(
           workdir="/unused", model=model, dataset=dataset,
           **_flags(dataset, tmp_path_factory.mktemp(dataset)))
-      cache[key] = data.load(config), config
+      cache[key] = data.load(config, key[0]), config
     return cache[key]
 
   return load
@@ -75,6 +84,12 @@ def test_each_pair_builds_or_is_refused_in_one_line(model, dataset, loaded):
     return
   configure.check_fit(model, dataset)
   split, config = loaded(model, dataset)
+  try:  # What the loader does not declare (shards: their manifest) is
+    # checked once loaded, as `train.run` does.
+    configure.check_fit(model, dataset, data.given(split))
+  except UserError as refused:
+    assert "\n" not in str(refused) and f"--model={model}" in str(refused)
+    return
   config = config.replace(model=model, model_options=None)
   config = configure.validate(config, configure.cluster_lib.parse(None))
   net = models.build_for(config, split)
@@ -112,7 +127,7 @@ def test_a_loader_that_breaks_its_declaration_is_named(tmp_path, monkeypatch):
                                  dataset="synthetic")
   with pytest.raises(UserError, match=r"--dataset=synthetic declares .* but "
                      r"gave .*fix its declaration"):
-    data.load(config)
+    data.load(config, models.image_size_for("mlp"))
 
 
 @data.DATASETS.register("test_undeclared_bytes")
@@ -136,6 +151,6 @@ def test_what_a_loader_does_not_declare_is_checked_once_loaded(tmp_path):
   assert err.count("\n") == 1 and err.startswith(
       "error: --model=mlp takes the classification task, but "
       "--dataset=test_undeclared_bytes poses language_model; use "
-      "--model=transformer with this dataset or --dataset=digits "
-      "with this model"), err
+      "--model=transformer with this dataset or "), err
+  assert " or --dataset=digits with this model" in err
   assert not workdir.exists()

@@ -11,9 +11,10 @@ hang it.
 One story, told once (multi-process tests are the suite's slowest; each
 cluster start is a TensorFlow start-up and a trace per worker, so there are
 two):
-1. `tools.launch` runs the workers unsharded, with thread flags; a seeded
-   random worker gets SIGTERM at a seeded random step, both save the same
-   step and exit 143, and so does the launcher (`--max_restarts=0`: that
+1. `tools.launch` runs the workers unsharded, with thread flags and
+   `--async_checkpoint`; a seeded random worker gets SIGTERM at a seeded
+   random step, both save the same step (in the background, waited for)
+   and exit 143, and so does the launcher (`--max_restarts=0`: that
    the launcher restarts a failed cluster with the same command is
    test_launch.py's);
 2. the same command, rerun without the launcher (which would stop the
@@ -105,7 +106,7 @@ class Cluster:
          sys.executable, "-m", "experiments.train",
          *_flags(shard="none", collective_timeout_s=LAUNCH_TIMEOUT_S,
                  intra_op_threads=1, inter_op_threads=2,
-                 straggler=STRAGGLER),
+                 straggler=STRAGGLER, async_checkpoint=True),
          "--deterministic", f"--workdir={workdir}"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})

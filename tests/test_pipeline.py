@@ -22,6 +22,7 @@ import pytest
 import tensorflow as tf
 
 from conftest import max_diff
+from helpers import load_data
 from dist_loop import configure, data, make_config, train
 from dist_loop.core.errors import UserError
 from dist_loop.data import Dataset
@@ -76,7 +77,7 @@ def build(cfg, dataset=None):
   """The config's trainer, seeded as `train.run` seeds it."""
   names = devices.configure(cfg.num_devices, "cpu")
   keras.utils.set_random_seed(cfg.seed)
-  return build_trainer(cfg, names, dataset or data.load(cfg), LOCAL)
+  return build_trainer(cfg, names, dataset or load_data(cfg), LOCAL)
 
 
 def weights(trainer):

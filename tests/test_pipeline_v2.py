@@ -21,7 +21,8 @@ import tensorflow as tf
 from tensorflow.python.framework import config as tf_config  # pylint: disable=g-direct-tensorflow-import
 
 from conftest import max_diff
-from dist_loop import configure, data, make_config, models, tasks
+from helpers import load_data
+from dist_loop import configure, make_config, models, tasks
 from dist_loop.core.errors import UserError
 from dist_loop.models import MODELS
 from dist_loop.parallel.modes import build_trainer
@@ -70,7 +71,7 @@ def config(tmp_path, **overrides):
 def build(cfg):
   names = devices.configure(cfg.num_devices, "cpu")
   keras.utils.set_random_seed(cfg.seed)
-  return build_trainer(cfg, names, data.load(cfg), LOCAL)
+  return build_trainer(cfg, names, load_data(cfg), LOCAL)
 
 
 def weights(trainer):
@@ -323,7 +324,7 @@ def test_deterministic_runs_untimed_and_says_so(tmp_path, op_determinism,
 def test_plan_cuts_the_probe_the_run_starts_from(tmp_path):
   cfg = config(tmp_path, **pipeline("zbv", 2, 4))
   names = devices.configure(cfg.num_devices, "cpu")
-  dataset = data.load(cfg)
+  dataset = load_data(cfg)
   keras.utils.set_random_seed(cfg.seed)
   plan = planner.plan(cfg, dataset, names, traced=False)
   keras.utils.set_random_seed(cfg.seed)

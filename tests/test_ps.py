@@ -21,7 +21,8 @@ import pytest
 import tensorflow as tf
 
 from conftest import read_events
-from dist_loop import configure, data
+from helpers import load_data
+from dist_loop import configure
 from dist_loop.control import weights
 from dist_loop.control.evaluation import Evaluator
 from dist_loop.core.errors import UserError
@@ -384,7 +385,7 @@ def test_ps_trains_digits_within_the_bound_despite_a_killed_worker(
   config = configure.make_config(workdir=str(workdir), dataset="digits",
                                  model="mlp")
   model = weights.load_model(config)
-  accuracy = Evaluator(model, data.load(config), 256).evaluate()
+  accuracy = Evaluator(model, load_data(config), 256).evaluate()
   np.testing.assert_allclose(accuracy["eval/accuracy"], s["eval_accuracy"],
                              atol=1e-6)
 

@@ -1,6 +1,7 @@
 """The straggler knob (dist_loop/parallel/straggler.py): parsing, bounds, delay."""
 
 import threading
+import time
 
 import pytest
 
@@ -40,9 +41,26 @@ def test_only_the_straggler_sleeps_factor_minus_one_times_its_compute():
   assert straggler.Straggler(0, straggler.MAX_FACTOR).delay(0, 2.0) == 198.0
 
 
-def test_sleep_returns_at_once_when_stopped_or_not_positive():
+def _seconds(fn, *args):
+  start = time.monotonic()
+  fn(*args)
+  return time.monotonic() - start
+
+
+def test_sleep_waits_its_seconds_unless_stopped():
+  assert _seconds(straggler.sleep, 0.2) >= 0.19
+  assert _seconds(straggler.sleep, 0.2, threading.Event()) >= 0.19
+  # Not positive: no wait, and no error from time.sleep's negative bound.
+  assert _seconds(straggler.sleep, 0.0) < 1.0
+  assert _seconds(straggler.sleep, -5.0) < 1.0
+  stopped = threading.Event()
+  stopped.set()
+  assert _seconds(straggler.sleep, 3600.0, stopped) < 1.0
+  # A stop set while it sleeps ends the sleep.
   stop = threading.Event()
-  stop.set()
-  straggler.sleep(3600.0, stop)  # Would hang the test if it waited.
-  straggler.sleep(0.0)
-  straggler.sleep(-5.0)
+  timer = threading.Timer(0.2, stop.set)
+  timer.start()
+  try:
+    assert 0.19 <= _seconds(straggler.sleep, 3600.0, stop) < 10.0
+  finally:
+    timer.cancel()

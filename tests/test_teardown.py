@@ -2,9 +2,10 @@
 
 Freeing a tf.data iterator that tf.data autotunes cancels its optimisation
 thread and waits for it, and that thread can miss the wake-up and sleep out
-its round, up to a minute (`data/stream.py`, `_fixed`): a benchmark that
-closed 16 trainers hung for over ten minutes. So every iterator a trainer
-opens must run without autotuning, and `close` must free them.
+its round, up to a minute (`data/stream.py`, `without_autotune`): a
+benchmark that closed 16 trainers hung for over ten minutes. So every
+iterator a trainer opens must run without autotuning, and `close` must free
+them.
 """
 
 import gc
@@ -14,7 +15,8 @@ import keras
 import pytest
 import tensorflow as tf
 
-from dist_loop import configure, data, make_config
+from helpers import load_data
+from dist_loop import configure, make_config
 from dist_loop.parallel.modes import build_trainer
 from dist_loop.runtime import devices
 from dist_loop.runtime.cluster import Cluster
@@ -48,7 +50,7 @@ def test_a_trainers_input_is_not_autotuned_and_close_frees_it(
   keras.utils.set_random_seed(0)
   trainer = build_trainer(config, devices.configure(config.num_devices,
                                                     "cpu"),
-                          data.load(config), Cluster())
+                          load_data(config), Cluster())
   trainer.train(2)
   assert opened
   assert [autotuned for autotuned, _ in opened] == [False] * len(opened)

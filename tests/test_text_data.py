@@ -145,7 +145,7 @@ with open("/proc/self/clear_refs", "w") as f:
   f.write("5")  # The high-water mark starts again from here.
 config = make_config(workdir=sys.argv[2], dataset="text",
                      data_file=sys.argv[1], seq_len=128)
-split = data.load(config)
+split = data.load(config, None)
 print(status("VmHWM") - before, status("VmRSS") - before)
 """
 

@@ -25,7 +25,8 @@ import numpy as np
 import pytest
 
 from conftest import max_diff
-from dist_loop import configure, data, make_config
+from helpers import load_data
+from dist_loop import configure, make_config
 from dist_loop.parallel.modes import build_trainer
 from dist_loop.runtime import devices
 from dist_loop.runtime.cluster import Cluster
@@ -74,7 +75,7 @@ def trained(cfg, steps=STEPS):
   """(initial variables, final variables, metrics of the last call)."""
   names = devices.configure(cfg.num_devices, "cpu")
   keras.utils.set_random_seed(cfg.seed)
-  trainer = build_trainer(cfg, names, data.load(cfg), LOCAL)
+  trainer = build_trainer(cfg, names, load_data(cfg), LOCAL)
   try:
     start = [np.asarray(v) for v in trainer.model.trainable_variables]
     metrics = trainer.train(steps)
@@ -155,7 +156,7 @@ def test_mixed_bfloat16_trains(corpus, workdir):
                optimizer="adam", learning_rate=0.01, steps_per_loop=8)
   names = devices.configure(cfg.num_devices, "cpu")
   keras.utils.set_random_seed(cfg.seed)
-  trainer = build_trainer(cfg, names, data.load(cfg), LOCAL)
+  trainer = build_trainer(cfg, names, load_data(cfg), LOCAL)
   try:
     first = trainer.train(1)
     last = trainer.train(8)

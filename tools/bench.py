@@ -43,6 +43,8 @@ SUITES = {  # name -> module with run(quick) -> {"rows": [...], "table": str}
     "comm": "tools.benchmarks.comm_bench",
     "scale": "tools.benchmarks.scale_bench",
     "memory": "tools.benchmarks.memory_bench",
+    "input": "tools.benchmarks.input_bench",
+    "goodput": "tools.benchmarks.goodput_bench",
 }
 # The in-process suites share one TensorFlow runtime: start it with enough
 # logical devices for all of them (the pipeline suite runs in subprocesses).

@@ -41,6 +41,10 @@ failure like any other. On real hosts, run the train command itself with a
 hand-written TF_CONFIG per host, or under SLURM with srun (README, "Multiple
 processes and hosts").
 
+`--num_data_workers=N` also starts a tf.data service of N workers on this
+host (`tools.data_service`, stopped with the cluster) and appends
+`--data_service=grpc://localhost:PORT` to the command (docs/data.md).
+
 Cores (`--cpus_per_task`): local tasks that share every core fight over
 them (each TensorFlow process sizes its thread pools to the cores it may
 use). `auto`, the default, gives each task its own equal share of the cores
@@ -62,6 +66,7 @@ import argparse
 import os
 import shutil
 import signal
+import subprocess
 import sys
 from typing import Optional, Sequence
 
@@ -135,10 +140,17 @@ def _parse(argv: Sequence[str]) -> Launcher:
                       help="-1: failures only; 0: also the tasks' start; "
                       "1: also each task's TF_CONFIG and TensorFlow's "
                       "native warnings")
+  parser.add_argument("--num_data_workers", type=int, default=0,
+                      help="start a tf.data service of N workers on this "
+                      "host and pass --data_service to the command")
   args = parser.parse_args(argv[:split])
   command = list(argv[split + 1:])
   if not command:
     raise LaunchError(f"no command after --; usage: {USAGE}")
+  data_service_port = None
+  if args.num_data_workers > 0:
+    data_service_port = free_ports(1)[0]
+    command.append(f"--data_service=grpc://localhost:{data_service_port}")
   _check_command(command[0])
   log_dir = args.log_dir
   if log_dir is None:
@@ -149,9 +161,17 @@ def _parse(argv: Sequence[str]) -> Launcher:
       raise LaunchError(f"--workdir={workdir} is a file; pass a directory "
                         "(it is created if missing)")
     log_dir = os.path.join(workdir, "logs")
-  return Launcher(command, args.num_workers, args.num_ps, log_dir,
-                  args.timeout_s, max_restarts=args.max_restarts,
-                  cpus_per_task=args.cpus_per_task, verbosity=args.verbosity)
+  launcher = Launcher(command, args.num_workers, args.num_ps, log_dir,
+                      args.timeout_s, max_restarts=args.max_restarts,
+                      cpus_per_task=args.cpus_per_task,
+                      verbosity=args.verbosity)
+  launcher.data_service = (
+      None if data_service_port is None else
+      [sys.executable, "-m", "tools.data_service",
+       f"--num_workers={args.num_data_workers}",
+       f"--port={data_service_port}",
+       f"--timeout_s={args.timeout_s or 24 * 3600.0}"])
+  return launcher
 
 
 def _check_command(program: str) -> None:
@@ -171,8 +191,19 @@ def main(argv=None) -> int:
     launcher = _parse(argv)
     for sig in (signal.SIGINT, signal.SIGTERM):
       signal.signal(sig, lambda number, _: launcher.interrupt(number))
-    launcher.start()
-    return launcher.wait()  # A restart starts the tasks again.
+    service = (subprocess.Popen(launcher.data_service,
+                                stdout=subprocess.DEVNULL)
+               if launcher.data_service else None)
+    try:
+      launcher.start()
+      return launcher.wait()  # A restart starts the tasks again.
+    finally:
+      if service is not None:  # Its own SIGTERM handler stops it.
+        service.terminate()
+        try:
+          service.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+          service.kill()
   except LaunchError as e:
     print(f"error: {e}", file=sys.stderr)
     return EXIT_BAD_INPUT

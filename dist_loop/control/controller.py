@@ -15,6 +15,10 @@ loop raises `NonFiniteError` and after every loop, and `stop`
 every action its `interrupted(step)` (the checkpoint action saves) and
 raises `Interrupted`.
 
+A third, `goodput` (`dist_loop/runtime/goodput.py`'s `Recorder`), is told the
+time of every inner loop, restore and action (by the action's `phase`), so the
+workdir's record says where the run's time went.
+
 Of a trainer it uses `train`, `step` and `examples_per_step`.
 """
 
@@ -41,16 +45,19 @@ class Controller:
       `NonFiniteError` ends the run.
     stop: a `preemption.Sigterm` (a context manager whose `requested()` says
       whether to stop after this loop), or None.
+    goodput: a `goodput.Recorder` (has `loop`, `restore`, `add`), or None.
   """
 
   def __init__(self, trainer, actions: Sequence[Action], *, train_steps: int,
-               steps_per_loop: int, recovery=None, stop=None):
+               steps_per_loop: int, recovery=None, stop=None,
+               goodput=None):
     self.trainer = trainer
     self.actions: List[Action] = list(actions)
     self.train_steps = train_steps
     self.steps_per_loop = steps_per_loop
     self.recovery = recovery
     self.stop = stop
+    self.goodput = goodput
     self._ran_at: Dict[int, int] = {}  # id(action) -> last step it ran.
 
   def run(self) -> int:
@@ -88,13 +95,20 @@ class Controller:
   def _loops(self, step: int) -> int:
     while step < self.train_steps:
       target = self._next_stop(step)
+      t0 = time.perf_counter()
       try:
         loop = self._train(step, target)
       except NonFiniteError as e:
         if self.recovery is None:
           raise
+        if self.goodput is not None:  # Trained to the bad step: lost work.
+          self.goodput.loop(step, max(int(e.step), step),
+                            time.perf_counter() - t0)
+        t0 = time.perf_counter()
         self.recovery.recover(e)  # Raises, or rolled back.
         step = self._step()
+        if self.goodput is not None:
+          self.goodput.restore(step, time.perf_counter() - t0)
         continue
       step = target
       if self.recovery is not None:
@@ -131,20 +145,34 @@ class Controller:
       raise RuntimeError(f"the step counter is at {new_step} after training "
                          f"from {step} to {target}: the mode's train(n) must "
                          "advance it by exactly n")
+    if self.goodput is not None:
+      self.goodput.loop(step, target, seconds)
     return Loop(step, target, metrics, skipped,
                 (target - step) * self.trainer.examples_per_step, seconds,
                 skipped_at_end)
 
   def _run_action(self, action: Action, step: int) -> None:
     self._ran_at[id(action)] = step
-    action(step)
+    with self._timed(action):
+      action(step)
+
+  @contextlib.contextmanager
+  def _timed(self, action: Action):
+    """Adds the time of `action`'s work to its goodput phase."""
+    t0 = time.perf_counter()
+    try:
+      yield
+    finally:
+      if self.goodput is not None:
+        self.goodput.add(action.phase, time.perf_counter() - t0)
 
   def _interrupt(self, step: int) -> bool:
     """Every action's `interrupted(step)`; False if a second Ctrl-C cut
     that short (the last saved checkpoint stays the newest)."""
     try:
       for action in self.actions:
-        action.interrupted(step)
+        with self._timed(action):
+          action.interrupted(step)
     except KeyboardInterrupt:
       return False
     return True

@@ -22,7 +22,7 @@ def load_model(config, path: Optional[str] = None):
   Raises:
     FileNotFoundError: the workdir holds no checkpoint.
   """
-  dataset = data.load(config)
+  dataset = data.load(config, models.image_size_for(config.model))
   model = models.build(config.model, dataset.input_shape,
                        dataset.num_classes, options=config.model_options)
   path = path or checkpoints.latest(

@@ -130,6 +130,14 @@ class Config:
                            upper=MAX_STEPS, group=_LOOP)
   checkpoint_every: int = option(200, "Steps between checkpoints.", lower=1,
                                  upper=MAX_STEPS, group=_LOOP)
+  async_checkpoint: bool = option(
+      False, "Write checkpoints in the background: training goes on while a "
+      "save is written (one at a time); the index names it once it is "
+      "complete.", group=_LOOP)
+  expected_failure_interval_s: float = option(
+      0.0, "Mean seconds between failures, for tools.goodput's best "
+      "checkpoint interval (Young/Daly); 0: the one the workdir's restarts "
+      "show.", lower=0.0, upper=1e9, group=_RELIABILITY)
   histogram_every: int = option(
       0, "Steps between weight and gradient histograms (0: never).", lower=0,
       upper=MAX_STEPS, group=_LOOP)
@@ -141,8 +149,9 @@ class Config:
       "mixed_float16 adds dynamic loss scaling.", choices=PRECISIONS,
       group=_PRECISION)
   grad_accum_steps: int = option(
-      1, "Micro-steps of --global_batch_size examples each, summed before "
-      "one all-reduce and one update (sync mode).", lower=1, upper=MAX_BATCH,
+      1, "Micro-steps of --global_batch_size examples each, whose gradients "
+      "are summed into one update (sync, local_sgd; other modes refuse it).",
+      lower=1, upper=MAX_BATCH,
       group=_PRECISION, layout=True)
   nonfinite: str = option(
       "raise", "On a NaN/Inf loss or gradient: raise (stop, naming the "
@@ -182,9 +191,10 @@ class Config:
       0, "Ops run concurrently (0: TensorFlow's default, one per core).",
       lower=0, upper=MAX_THREADS, group=_DEVICES)
   collective_timeout_s: float = option(
-      120.0, "Multi-worker sync: a collective that waits this long for a "
-      "peer fails (CommunicationOptions.timeout_seconds); ps: training fails "
-      "after this long without an applied update.", lower=0.001,
+      120.0, "Multi-worker sync and local_sgd: a collective that waits this "
+      "long for a peer fails (CommunicationOptions.timeout_seconds); ps: a "
+      "round of scheduled calls (every step up to the next log, evaluation or "
+      "checkpoint) fails if it takes longer.", lower=0.001,
       upper=MAX_TIMEOUT_S, group=_CLUSTER)
   join_timeout_s: float = option(
       300.0, "Multi-process runs: joining the cluster fails if a peer task "

@@ -1,8 +1,11 @@
-"""Datasets (a name registry) and the sharded input pipeline."""
+"""Datasets (a name registry), the sharded input pipeline, and shards."""
 
-from dist_loop.data import digits, mnist, synthetic, text  # Registers them.
+# Importing them registers them.
+from dist_loop.data import digits, mnist, shards, synthetic, text
 from dist_loop.data.base import DATASETS, Dataset, given, gives, load
+from dist_loop.data.shard_stream import input_error
+from dist_loop.data.shards import input_metrics
 from dist_loop.data.stream import eval_dataset, train_dataset_fn
 
 __all__ = ["DATASETS", "Dataset", "given", "gives", "load", "eval_dataset",
-           "train_dataset_fn"]
+           "input_error", "input_metrics", "train_dataset_fn"]

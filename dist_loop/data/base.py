@@ -91,22 +91,26 @@ def given(dataset: Dataset) -> Gives:
                len(dataset.input_shape))
 
 
-def load(config) -> Dataset:
-  """The run's dataset: the registered loader of `config.dataset`, asked for
-  the image size the model wants, with the dataset's options if the loader
-  declares `Options` (it is then called with `options=`)."""
-  from dist_loop import models  # pylint: disable=g-import-not-at-top
+def load(config, image_size: Optional[int]) -> Dataset:
+  """The run's dataset: the registered loader of `config.dataset`.
+
+  Args:
+    config: the run's Config (`dataset`, `data_dir`, `seed`, and the
+      dataset's options, passed as `options=` to a loader that declares
+      `Options`).
+    image_size: the image side the model wants
+      (`models.image_size_for(config.model)`), or None for any input.
+  """
   loader = DATASETS.get(config.dataset)
   kwargs = {}
   if hasattr(loader, "Options"):
     kwargs["options"] = (config.dataset_options
                          if config.dataset_options is not None
                          else loader.Options())
-  dataset = loader(config.data_dir, config.seed,
-                   models.image_size_for(config.model), **kwargs)
+  dataset = loader(config.data_dir, config.seed, image_size, **kwargs)
   check(dataset, config.dataset)
   _check_declaration(dataset, config.dataset,
-                     gives(config.dataset, models.image_size_for(config.model)))
+                     gives(config.dataset, image_size))
   return dataset
 
 
@@ -146,6 +150,8 @@ def check(dataset: Dataset, name: str) -> None:
     where, fix = dataset.source, "replace the file with a valid one"
   else:
     where, fix = f"the loader of --dataset={name}", "fix that loader"
+  if hasattr(dataset.train_x, "train_dataset_fn"):
+    return  # Examples in files: checked against their manifest on loading.
   problem = _problem(dataset)
   if problem:
     raise UserError(f"{where}: {problem}; {fix}")

@@ -18,8 +18,10 @@ of every step. `replica_input` stacks them per step on the host, and
 is what `tf.distribute`'s distributed datasets do, minus their per-device
 iterators: those do not inherit a dataset's options, so tf.data autotunes
 them, and freeing an autotuned iterator can wait up to a minute (see
-`_fixed`). Every iterator here has autotuning off.
+`without_autotune`). Every iterator here has autotuning off.
 """
+
+import os
 
 import numpy as np
 import tensorflow as tf
@@ -27,14 +29,24 @@ import tensorflow as tf
 _EPOCHS_FOREVER = np.iinfo(np.int64).max
 # tf.data traces its functions with AutoGraph unless told not to; the
 # library's traced code is written without it (`modes/loop.py`).
-_no_autograph = tf.autograph.experimental.do_not_convert
+no_autograph = tf.autograph.experimental.do_not_convert
 
 
-def _index_stream(num_examples: int, seed: int, start: int) -> tf.data.Dataset:
+def parallel_calls() -> int:
+  """Parallel parses and reads of an input pipeline: the cores this
+  process may run on (what AUTOTUNE falls back to without autotuning,
+  stated rather than left to it)."""
+  try:
+    return len(os.sched_getaffinity(0))
+  except AttributeError:  # Not on Linux.
+    return os.cpu_count() or 1
+
+
+def index_stream(num_examples: int, seed: int, start: int) -> tf.data.Dataset:
   """Example indices, epoch after epoch, from stream position `start`."""
   first_epoch, offset = divmod(start, num_examples)
 
-  @_no_autograph
+  @no_autograph
   def epoch(e):
     keys = tf.random.stateless_uniform(
         [num_examples], seed=tf.stack([tf.constant(seed, tf.int64), e]))
@@ -44,7 +56,7 @@ def _index_stream(num_examples: int, seed: int, start: int) -> tf.data.Dataset:
           .flat_map(epoch).skip(offset))
 
 
-def _fixed(ds: tf.data.Dataset) -> tf.data.Dataset:
+def without_autotune(ds: tf.data.Dataset) -> tf.data.Dataset:
   """`ds` without tf.data's autotuning model.
 
   Its optimisation thread sleeps up to 60 s between rounds, and freeing an
@@ -52,9 +64,9 @@ def _fixed(ds: tf.data.Dataset) -> tf.data.Dataset:
   missed: TensorFlow marks the iterator cancelled only after running the
   callback that wakes the thread, which may look first, find it not yet
   cancelled and sleep out its round; so closing a run's input could take a
-  minute per iterator. The pipeline is a gather per batch; the AUTOTUNE
-  values still fall back to TensorFlow's defaults (parallel calls up to the
-  cores, a prefetch buffer that grows when it runs dry). The examples and
+  minute per iterator. The AUTOTUNE values then fall back to TensorFlow's
+  defaults, which follow the cores: parallel calls up to the schedulable
+  cores, a prefetch buffer that grows when it runs dry. The examples and
   their order are the same.
   """
   options = tf.data.Options()
@@ -62,33 +74,45 @@ def _fixed(ds: tf.data.Dataset) -> tf.data.Dataset:
   return ds.with_options(options)
 
 
-def train_dataset_fn(x: np.ndarray, y: np.ndarray, global_batch_size: int,
-                     seed: int, start_step: int = 0):
-  """Returns a `dataset_fn(input_context)` for distribute_datasets_from_function.
+def cut(indices: tf.data.Dataset, ctx: tf.distribute.InputContext,
+        per_replica: int) -> tf.data.Dataset:
+  """The global stream of example indices cut into per-replica batches,
+  keeping this input pipeline's local replicas' batches of every step."""
+  replicas = ctx.num_replicas_in_sync
+  local = replicas // ctx.num_input_pipelines
+  ds = indices.batch(per_replica, drop_remainder=True)
+  if ctx.num_input_pipelines > 1:
+    first = ctx.input_pipeline_id * local
+    ds = (ds.batch(replicas, drop_remainder=True)
+          .map(no_autograph(lambda group: group[first:first + local]))
+          .unbatch())
+  return ds
+
+
+def train_dataset_fn(x, y, global_batch_size: int, seed: int,
+                     start_step: int = 0):
+  """Returns `dataset_fn(input_context)`: the batches of the input pipeline
+  the context names (`replica_input`; async and ps build their own context).
 
   Args:
-    x, y: the training arrays.
+    x, y: the training arrays, or a dataset's file-backed columns
+      (`data/shards.py`: `x.train_dataset_fn` reads the files).
     global_batch_size: examples per step over all replicas.
     seed: fixes the order of every epoch.
     start_step: the first step to produce (for resuming).
   """
+  if hasattr(x, "train_dataset_fn"):
+    return x.train_dataset_fn(global_batch_size, seed, start_step)
   x_t, y_t = tf.constant(x), tf.constant(y)
 
   def dataset_fn(ctx: tf.distribute.InputContext) -> tf.data.Dataset:
-    replicas = ctx.num_replicas_in_sync
     per_replica = ctx.get_per_replica_batch_size(global_batch_size)
-    local = replicas // ctx.num_input_pipelines
-    ds = _index_stream(len(x), seed, start_step * global_batch_size)
-    ds = ds.batch(per_replica, drop_remainder=True)
-    if ctx.num_input_pipelines > 1:
-      first = ctx.input_pipeline_id * local
-      ds = (ds.batch(replicas, drop_remainder=True)
-            .map(_no_autograph(lambda group: group[first:first + local]))
-            .unbatch())
-    ds = ds.map(_no_autograph(lambda idx: (tf.gather(x_t, idx),
-                                           tf.gather(y_t, idx))),
+    ds = cut(index_stream(len(x), seed, start_step * global_batch_size),
+             ctx, per_replica)
+    ds = ds.map(no_autograph(lambda idx: (tf.gather(x_t, idx),
+                                          tf.gather(y_t, idx))),
                 num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-    return _fixed(ds.prefetch(tf.data.AUTOTUNE))
+    return without_autotune(ds.prefetch(tf.data.AUTOTUNE))
 
   return dataset_fn
 
@@ -143,7 +167,10 @@ def _host(strategy: tf.distribute.Strategy) -> str:
   return device.replace(device_type="CPU", device_index=0).to_string()
 
 
-def eval_dataset(x: np.ndarray, y: np.ndarray, batch_size: int) -> tf.data.Dataset:
-  """The held-out split, in order, last partial batch kept."""
-  return _fixed(tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size)
-                .prefetch(tf.data.AUTOTUNE))
+def eval_dataset(x, y, batch_size: int) -> tf.data.Dataset:
+  """The held-out split, in order, last partial batch kept (`x` may be a
+  file-backed column: `x.eval_dataset` reads the files)."""
+  if hasattr(x, "eval_dataset"):
+    return x.eval_dataset(batch_size)
+  return without_autotune(tf.data.Dataset.from_tensor_slices((x, y))
+                          .batch(batch_size).prefetch(tf.data.AUTOTUNE))

@@ -12,12 +12,24 @@ A save that fails (a full disk) removes what it wrote of the new checkpoint
 (TensorFlow leaves a `ckpt-N_temp` directory and partial `ckpt-N.*` files)
 and ends the run with one line naming the newest good checkpoint. Which
 checkpoint a run resumes from is `resume.py`'s.
+
+With `--async_checkpoint` a save copies the variables to host memory (so
+training may change them) and TensorFlow's thread writes the files
+(`CheckpointOptions(enable_async=True)`); the manager points the index at
+the checkpoint only from that thread, once its files are complete, so a
+crash mid-write still leaves the previous checkpoint as the latest. At most
+one save is in flight: the next save, a restore (a rollback), the end of
+the run and a stop first `wait` for it, bounded by `ASYNC_WAIT_S`, and a
+failed background write is then handled as a failed save (its files
+removed, one line). The host copy doubles the memory of the checkpointed
+state.
 """
 
 import collections
 import os
+import threading
 import time
-from typing import Dict, Optional, Sequence
+from typing import Dict, Optional, Sequence, Set
 
 import tensorflow as tf
 from absl import logging
@@ -29,6 +41,10 @@ from dist_loop.runtime.checkpoint_names import CHECKPOINT_DIR, CHECKPOINT_PREFIX
 from dist_loop.runtime.checkpoint_names import newest_checkpoint_note
 from dist_loop.runtime.checkpoint_names import scan_checkpoints
 from dist_loop.runtime.files import reason
+
+# The longest wait for a background save: far beyond any save of a model
+# that fits one machine's memory, and a hung filesystem ends in one line.
+ASYNC_WAIT_S = 1800.0
 
 
 class Checkpointer:
@@ -42,56 +58,108 @@ class Checkpointer:
     is_chief: whether this process keeps its checkpoints.
     task_index: this process's index in its job (names a non-chief's
       temporary directory).
+    async_save: write in the background (`--async_checkpoint`).
     fresh: items not restored until the first save (the optimizer, after
       an allowed change of --optimizer: its slots start fresh).
   """
 
   def __init__(self, items: Dict[str, object], workdir: str, max_to_keep: int,
                is_chief: bool = True, task_index: int = 0,
-               fresh: Sequence[str] = ()):
+               async_save: bool = False, fresh: Sequence[str] = ()):
     self.items = dict(items)
     self.fresh = tuple(fresh)
     self.workdir = workdir
     self.manager = manager(items, workdir, max_to_keep, is_chief, task_index)
+    self._options = None
+    if async_save:
+      _host_copies_of_keras_variables()
+      self._options = tf.train.CheckpointOptions(enable_async=True)
     # The newest good checkpoint this process knows: restored or saved.
     self._latest: Optional[str] = None
+    # The background save in flight: (step, path, the directory before it).
+    self._pending = None
 
   @property
   def saved_step(self) -> Optional[int]:
-    """The step of the latest checkpoint, or None before the first."""
+    """The step of the latest checkpoint (or of the one being written), or
+    None before the first."""
+    if self._pending is not None:
+      return self._pending[0]
     latest = self._latest or self.manager.latest_checkpoint
     return None if latest is None else int(latest.rsplit("-", 1)[-1])
 
   def save(self, step: int) -> Optional[str]:
-    """Saves the state at `step`; returns the path, or None if the latest
-    checkpoint already is of `step` (the state is the same).
+    """Saves the state at `step` (in the background with `async_save`,
+    after waiting for the previous save); returns the path, or None if the
+    latest checkpoint already is of `step` (the state is the same).
 
     Raises:
-      UserError: the checkpoint could not be written (a full disk); what
-        was written of it is removed, and the message names the newest
-        good checkpoint.
+      UserError: the checkpoint (or the previous one in the background)
+        could not be written (a full disk); what was written of it is
+        removed, and the message names the newest good checkpoint.
     """
     if self.saved_step == step:
       return None
+    self.wait()
+    before = _listing(self.manager.directory)
     try:
-      path = self.manager.save(checkpoint_number=step)
+      path = self.manager.save(checkpoint_number=step, options=self._options)
     except strategy_lib.LOST_TASK_ERRORS:
       raise  # A lost peer: `train.run` has the mode explain it.
     except (tf.errors.OpError, OSError) as e:
-      raise UserError(
-          f"cannot write the checkpoint of step {step} in "
-          f"{self.manager.directory} ({reason(e)}); what was written of it "
-          f"is removed, and {self._newest_note()}. Free some space (or fix "
-          "the directory's permissions), then rerun the same command to "
-          "resume from there") from None
+      raise self._failed(step, e) from None
     self.fresh = ()  # Its checkpoints hold the new items.
+    if self._options is not None:
+      self._pending = (step, path, before)
+      return path
     # Off the chief, the chief's copy: the worker's own is deleted.
     self._latest = self.manager.latest_checkpoint or path
     logging.info("step %d  saved checkpoint %s", step, path)
     return path
 
+  def wait(self) -> None:
+    """Returns once no save is in flight (at most `ASYNC_WAIT_S`).
+
+    Raises:
+      UserError: the background save failed, or did not end in time; what
+        it wrote is removed (when it failed).
+    """
+    if self._pending is None:
+      return
+    step, path, before = self._pending
+    self._pending = None
+    error = _sync(self.manager)
+    if isinstance(error, TimeoutError):
+      raise UserError(
+          f"the checkpoint of step {step} was not written within "
+          f"{ASYNC_WAIT_S:.0f} s (is {self.manager.directory} on a hung "
+          f"filesystem?); {self._newest_note()}. Rerun the same command to "
+          "resume from there")
+    committed = self.manager.latest_checkpoint == path
+    if error is None and not committed and isinstance(self.manager,
+                                                      _Manager):
+      error = OSError("the index does not name it")
+    if error is not None:
+      _remove_new(self.manager.directory, before, os.path.basename(path))
+      if isinstance(error, strategy_lib.LOST_TASK_ERRORS):
+        raise error
+      raise self._failed(step, error)
+    self._latest = self.manager.latest_checkpoint or path
+    logging.info("step %d  saved checkpoint %s", step, path)
+
+  def close(self) -> None:
+    """Waits for a save in flight as a run ends early: a failure (a full
+    disk, a lost peer) is a warning, since the error that ends the run
+    stands."""
+    try:
+      self.wait()
+    except (UserError, tf.errors.OpError) as e:
+      logging.warning("%s", e)
+
   def restore(self, scope) -> Optional[str]:
-    """See `resume.restore_latest`."""
+    """See `resume.restore_latest`; first waits for a save in flight (a
+    rollback may come right after one)."""
+    self.wait()
     checkpoint = None
     if self.fresh:
       checkpoint = tf.train.Checkpoint(**{
@@ -100,6 +168,14 @@ class Checkpointer:
                                  self.workdir, checkpoint)
     self._latest = path or self._latest
     return path
+
+  def _failed(self, step: int, error: Exception) -> UserError:
+    return UserError(
+        f"cannot write the checkpoint of step {step} in "
+        f"{self.manager.directory} ({reason(error)}); what was written of "
+        f"it is removed, and {self._newest_note()}. Free some space (or fix "
+        "the directory's permissions), then rerun the same command to "
+        "resume from there")
 
   def _newest_note(self) -> str:
     if self._latest is None:
@@ -140,17 +216,17 @@ class _Manager(tf.train.CheckpointManager):
       self._latest_checkpoint = None
       self._last_preserved_timestamp = time.time() - 1.0
 
-  def save(self, checkpoint_number: int) -> str:  # pylint: disable=arguments-differ
+  def save(self, checkpoint_number: int, options=None) -> str:  # pylint: disable=arguments-differ
     """Saves; if that fails, removes the new checkpoint's files (TensorFlow
     leaves `ckpt-N_temp/` and partial `ckpt-N.*`, and an index's temporary
     file) and forgets it, then raises. Returns the path."""
     name = f"{CHECKPOINT_PREFIX}-{checkpoint_number}"
-    before = set(os.listdir(self.directory)) if os.path.isdir(
-        self.directory) else set()
+    before = _listing(self.directory)
     state = (self._latest_checkpoint, collections.OrderedDict(
         self._maybe_delete))
     try:
-      return super().save(checkpoint_number=checkpoint_number)
+      return super().save(checkpoint_number=checkpoint_number,
+                          options=options)
     except BaseException:
       path = os.path.join(self.directory, name)
       if _indexed(self.directory) == path:
@@ -161,6 +237,51 @@ class _Manager(tf.train.CheckpointManager):
       self._latest_checkpoint, self._maybe_delete = state
       _remove_new(self.directory, before, name)
       raise
+
+
+def _host_copies_of_keras_variables() -> None:
+  """Lets TensorFlow's background save copy a Keras variable to the host.
+
+  Keras 3's `Variable._copy_trackable_to_cpu` makes a new `tf.Variable` from
+  the host copy at every save: inside TensorFlow's traced copy that is an
+  error from the second save on, and the value it would save is the first
+  save's. The host copy of the variable it wraps (TensorFlow's, updated at
+  every save) is the copy.
+  """
+  from keras.src.backend.tensorflow import core  # pylint: disable=g-import-not-at-top
+
+  def copy(variable, object_map):
+    variable.value._copy_trackable_to_cpu(object_map)  # pylint: disable=protected-access
+    object_map[variable] = object_map[variable.value]
+
+  core.Variable._copy_trackable_to_cpu = copy  # pylint: disable=protected-access
+
+
+def _listing(directory: str) -> Set[str]:
+  return set(os.listdir(directory)) if os.path.isdir(directory) else set()
+
+
+def _sync(mgr) -> Optional[BaseException]:
+  """Waits for `mgr`'s background save, from a thread so that the wait is
+  bounded; returns what the save raised, a `TimeoutError`, or None."""
+  checkpoint = mgr.checkpoint
+  outcome = []
+
+  def wait():
+    try:
+      mgr.sync()
+      helper = getattr(checkpoint, "_async_checkpointer_impl", None)
+      if helper is not None:  # TensorFlow keeps the thread's error there.
+        helper._check_async_thread_error()  # pylint: disable=protected-access
+    except BaseException as e:  # pylint: disable=broad-except
+      outcome.append(e)
+    else:
+      outcome.append(None)
+
+  thread = threading.Thread(target=wait, name="checkpoint-wait", daemon=True)
+  thread.start()
+  thread.join(ASYNC_WAIT_S)
+  return outcome[0] if outcome else TimeoutError()
 
 
 def _remove_new(directory: str, before, name: str) -> None:
@@ -205,16 +326,31 @@ class WorkerTempManager:
     """Where the run's checkpoints are kept: the chief's directory."""
     return self._chief_directory
 
-  def save(self, checkpoint_number: int) -> str:
+  def save(self, checkpoint_number: int, options=None) -> str:
+    """Saves to the temporary directory and deletes it, or (a background
+    save) deletes it in `sync`, once the files are written."""
     temp = tf.train.CheckpointManager(self.checkpoint, self._temp_directory,
                                       max_to_keep=1)
     try:
-      path = temp.save(checkpoint_number=checkpoint_number)
-    finally:
-      if tf.io.gfile.exists(self._temp_directory):
-        tf.io.gfile.rmtree(self._temp_directory)
+      path = temp.save(checkpoint_number=checkpoint_number, options=options)
+    except BaseException:
+      self._remove_temp()
+      raise
+    if options is None:
+      self._remove_temp()
     self._latest = os.path.join(self._chief_directory, os.path.basename(path))
     return path
+
+  def sync(self) -> None:
+    """Waits for a background save, then deletes its files."""
+    try:
+      self.checkpoint.sync()
+    finally:
+      self._remove_temp()
+
+  def _remove_temp(self) -> None:
+    if tf.io.gfile.exists(self._temp_directory):
+      tf.io.gfile.rmtree(self._temp_directory)
 
 
 def latest(directory: str) -> Optional[str]:
@@ -230,3 +366,23 @@ def _indexed(directory: str) -> Optional[str]:
     return tf.train.latest_checkpoint(directory)
   except ValueError:  # Empty, or not text (UnicodeDecodeError).
     return None
+
+
+def load_model(config, path: Optional[str] = None):
+  """The run's model with the variables of its latest checkpoint (or `path`).
+
+  For evaluation, fine-tuning and tests: no strategy, no optimizer, float32.
+
+  Raises:
+    FileNotFoundError: the workdir holds no checkpoint.
+  """
+  dataset = data.load(config, models.image_size_for(config.model))
+  model = models.build(config.model, dataset.input_shape,
+                       dataset.num_classes, options=config.model_options)
+  directory = os.path.join(config.workdir, CHECKPOINT_DIR)
+  path = path or _indexed(directory) or (scan_checkpoints(directory)
+                                          or [None])[-1]
+  if path is None:
+    raise FileNotFoundError(f"no checkpoint in {config.workdir}")
+  tf.train.Checkpoint(model=model).restore(path).expect_partial()
+  return model

@@ -16,7 +16,10 @@ as it was:
 2. `Lock` (creates the workdir if needed, and removes it again if the run
    fails before writing anything in it).
 3. The newest readable checkpoint is restored (`checkpoints.py`).
-4. flags.txt, then TensorBoard events and checkpoints, then summary.json.
+4. flags.txt, then the goodput record (`goodput.jsonl`, and
+   `goodput.worker-1.jsonl` ... of the other processes: append-only, one
+   line per inner loop, `dist_loop/runtime/goodput.py`), TensorBoard events and
+   checkpoints, then summary.json.
 
 Nothing here deletes or "repairs" what a user left in a workdir: an odd
 state is reported with the path to move aside. This module does not import
@@ -28,11 +31,13 @@ from typing import Optional, Sequence
 
 from dist_loop.core.config import Config
 from dist_loop.core.errors import UserError
+from dist_loop.runtime import goodput as _goodput
 from dist_loop.runtime import lock as _lock
 from dist_loop.runtime.checkpoint_names import CHECKPOINT_DIR, INDEX_FILE
 
 FLAGS_FILE = "flags.txt"
 SUMMARY_FILE = "summary.json"
+GOODPUT_FILE = _goodput.GOODPUT_FILE
 # The lock a run holds is part of the contract; `lock.py` is how it works.
 LOCK_FILE = _lock.LOCK_FILE
 Lock = _lock.Lock
@@ -57,7 +62,7 @@ def check(config: Config, dirs: Sequence[str] = ()) -> None:
   _check_location(root)
   if not os.path.isdir(root):
     return  # A new run: nothing in it to check.
-  for name in (FLAGS_FILE, SUMMARY_FILE, INDEX_FILE, LOCK_FILE):
+  for name in (FLAGS_FILE, SUMMARY_FILE, GOODPUT_FILE, INDEX_FILE, LOCK_FILE):
     _expect_kind(os.path.join(root, name), is_dir=False)
   for name in (CHECKPOINT_DIR, *dirs):
     _expect_kind(os.path.join(root, name), is_dir=True)

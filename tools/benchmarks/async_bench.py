@@ -103,7 +103,7 @@ def run(quick: bool = False) -> dict:
   """Trains every (straggler, mode) setting interleaved; rows and a table."""
   settings = SETTINGS[quick]
   names = devices.configure(NUM_DEVICES, "cpu")
-  split = data.load(common.config(**_flags(settings["model"], "sync")))
+  split = common.load_data(common.config(**_flags(settings["model"], "sync")))
   runs = [_Setting(mode, factor, settings["model"], split, names)
           for factor in FACTORS for mode in MODES]
   try:

@@ -146,7 +146,8 @@ def run(quick: bool = False) -> dict:
   followed by the verdicts on the targets."""
   settings = SETTINGS[quick]
   names = devices.configure(max(settings["replicas"]), "cpu")
-  split = data.load(common.config(dataset="digits", model=settings["model"]))
+  split = common.load_data(
+      common.config(dataset="digits", model=settings["model"]))
   runs = [_Variant(v, n, settings, split, names)
           for n in settings["replicas"] for v in settings["variants"]]
   try:

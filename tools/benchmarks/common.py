@@ -14,7 +14,7 @@ import time
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import dist_loop
-from dist_loop import configure, data
+from dist_loop import configure, data, models
 from dist_loop.control.evaluation import Evaluator
 from dist_loop.data import Dataset
 from dist_loop.parallel.modes import Trainer, build_trainer
@@ -22,6 +22,11 @@ from dist_loop.runtime.cluster import Cluster
 
 # One process, whatever TF_CONFIG says: a benchmark is not a cluster.
 LOCAL = Cluster()
+
+
+def load_data(run: dist_loop.Config) -> Dataset:
+  """The run's dataset, images at the size its model wants."""
+  return data.load(run, models.image_size_for(run.model))
 
 
 def config(**flat) -> dist_loop.Config:
@@ -42,7 +47,7 @@ def trainer(devices: Sequence[str], flat: Mapping[str, object],
       the Config's.
   """
   run = config(**flat)
-  dataset = data.load(run) if dataset is None else dataset
+  dataset = load_data(run) if dataset is None else dataset
   return run, build_trainer(run, list(devices), dataset, LOCAL)
 
 

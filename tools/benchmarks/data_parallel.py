@@ -16,9 +16,8 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from dist_loop import data  # pylint: disable=g-import-not-at-top
 from dist_loop.runtime import devices  # pylint: disable=g-import-not-at-top
-from tools.benchmarks.common import config, interleaved_medians, markdown_table, trainer  # pylint: disable=g-import-not-at-top
+from tools.benchmarks.common import config, interleaved_medians, load_data, markdown_table, trainer  # pylint: disable=g-import-not-at-top
 
 GLOBAL_BATCH = 128
 STEPS_PER_LOOP = 20
@@ -39,7 +38,7 @@ def run(quick: bool = False) -> dict:
   flat = dict(dataset="digits", model="mlp" if quick else "cnn",
               global_batch_size=GLOBAL_BATCH, optimizer="adam",
               steps_per_loop=steps)
-  split = data.load(config(**flat))
+  split = load_data(config(**flat))
   timed, trainers = {}, []
   for n, bucket, compression in QUICK_VARIANTS if quick else VARIANTS:
     _, sync = trainer(names[:n], dict(

@@ -29,7 +29,7 @@ import keras  # pylint: disable=g-import-not-at-top
 import numpy as np  # pylint: disable=g-import-not-at-top
 import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
-from dist_loop import data, models  # pylint: disable=g-import-not-at-top
+from dist_loop import models  # pylint: disable=g-import-not-at-top
 from dist_loop.data import stream  # pylint: disable=g-import-not-at-top
 from dist_loop.runtime import devices  # pylint: disable=g-import-not-at-top
 from dist_loop.runtime import strategy as strategy_lib  # pylint: disable=g-import-not-at-top
@@ -153,7 +153,7 @@ def run(quick: bool = False) -> dict:
   rows = []
   for model, n in models:
     flags = _flags(model, quick)
-    split = data.load(common.config(**flags))
+    split = common.load_data(common.config(**flags))
     variants = {name: build(names[:n], flags, split, loops) for name, build in
                 (("dist_loop", _dist_loop), ("keras_fit", _keras_fit),
                  ("bare", _bare))}

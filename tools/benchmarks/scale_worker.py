@@ -62,12 +62,13 @@ class Worker:
   def build(self, name, flat, warmup):
     # pylint: disable=g-import-not-at-top
     import dist_loop
-    from dist_loop import configure, data
+    from dist_loop import configure
     from dist_loop.parallel.modes import build_trainer
+    from tools.benchmarks import common
     if name not in self.trainers:
       config = configure.validate(
           dist_loop.make_config(workdir="/tmp/unused", **flat), self.cluster)
-      trainer = build_trainer(config, self.devices, data.load(config),
+      trainer = build_trainer(config, self.devices, common.load_data(config),
                               self.cluster)
       trainer.train(warmup)
       self.trainers[name] = trainer

@@ -2,8 +2,8 @@
 
 `base.py` says what an action is. A run's list, from `standard(config,
 inputs)`, in the order they run after a loop: the graph trace, the profile,
-the log line, histograms, evaluation, the checkpoint and, at the end,
-summary.json. What the actions need from the run reaches them through
+the log line, histograms, evaluation, the checkpoint, goodput and, at the
+end, summary.json. What the actions need from the run reaches them through
 `Inputs`, built by `dist_loop/train.py`: callables and values, never the
 trainer, so each action can be tested alone with fakes.
 """
@@ -17,12 +17,14 @@ from dist_loop.control.actions.checkpoint import Checkpoint
 from dist_loop.control.actions.diagnostics import Histograms, Profile
 from dist_loop.control.actions.diagnostics import TraceGraph
 from dist_loop.control.actions.evaluate import Evaluate
+from dist_loop.control.actions.goodput import Goodput
 from dist_loop.control.actions.log import Log
 from dist_loop.control.actions.summary import Part, Summary
 from dist_loop.runtime.memory import peak_memory_mb
 
-__all__ = ["Action", "Checkpoint", "Evaluate", "Histograms", "Inputs", "Log",
-           "Loop", "Profile", "Summary", "TraceGraph", "standard"]
+__all__ = ["Action", "Checkpoint", "Evaluate", "Goodput", "Histograms",
+           "Inputs", "Log", "Loop", "Profile", "Summary", "TraceGraph",
+           "standard"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +35,7 @@ class Inputs:
     summaries: the run's `Summaries`.
     evaluator: has `evaluate() -> {"eval/<name>": value}`.
     scope: returns the context the master variables are read under.
-    checkpointer: has `save(step)` and `saved_step`.
+    checkpointer: has `save(step)`, `wait()` and `saved_step`.
     metric_names: the task's metrics (the progress line).
     reported_names: what the task reports, derived metrics included
       (summary.json's `train_<name>`).
@@ -48,6 +50,7 @@ class Inputs:
     summary_path: where summary.json goes, or None (not the chief).
     summary_parts: more summary.json entries (the mode's, the rollbacks).
     previous: the summary.json the workdir holds from an earlier run, or {}.
+    goodput: the attempt's `goodput.Recorder`, or None (no goodput).
   """
 
   summaries: Any
@@ -66,6 +69,7 @@ class Inputs:
   summary_path: Optional[str] = None
   summary_parts: Sequence[Part] = ()
   previous: Mapping[str, object] = dataclasses.field(default_factory=dict)
+  goodput: Any = None
 
 
 def standard(config, inputs: Inputs) -> List[Action]:
@@ -89,13 +93,19 @@ def standard(config, inputs: Inputs) -> List[Action]:
   evaluate = Evaluate(config.eval_every, inputs.evaluator, inputs.scope,
                       summaries)
   out.append(evaluate)
-  out.append(Checkpoint(config.checkpoint_every, inputs.checkpointer))
+  out.append(Checkpoint(config.checkpoint_every, inputs.checkpointer,
+                        config.train_steps))
+  goodput = []
+  if inputs.goodput is not None:
+    goodput = [Goodput(config.log_every, inputs.goodput, summaries)]
+    out += goodput
   parts = [lambda: {"mode": config.mode, "num_devices": config.num_devices},
            log.summary, evaluate.summary, *inputs.summary_parts,
            lambda: {k.replace("memory/", "memory_"): v
                     for k, v in peak_memory_mb(inputs.devices).items()},
            divergence.Verdict(log, evaluate,
-                              config.diverged_loss_ratio).summary]
+                              config.diverged_loss_ratio).summary,
+           *(action.summary for action in goodput)]
   out.append(Summary(inputs.summary_path, summaries, parts,
                      lambda: inputs.checkpointer.saved_step))
   return out

@@ -50,10 +50,13 @@ class Action:
       by this rule).
     at_end: also runs at the last step, and once at the end of a run that
       had nothing to train.
+    phase: the goodput phase its time counts to
+    (`dist_loop/runtime/goodput.py`).
   """
 
   every: int = 0
   at_end: bool = False
+  phase: str = "other"
 
   def stops(self, step: int) -> Optional[int]:
     """The next step after `step` where the inner loop must stop for this

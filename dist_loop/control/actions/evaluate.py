@@ -19,6 +19,7 @@ class Evaluate(Action):
   """
 
   at_end = True
+  phase = "evaluation"
 
   def __init__(self, every: int, evaluator, scope, summaries):
     self.every = every

@@ -105,10 +105,25 @@ class Trainer(abc.ABC):
     if config.max_loss and not cls.checks_max_loss:
       raise UserError(f"--max_loss is not supported in --mode={config.mode}; "
                       "drop it (or use --max_loss=0)")
+    why = cls.async_checkpoint_refusal(config) if (
+        config.async_checkpoint) else None
+    if why:
+      raise UserError(f"--async_checkpoint cannot be used here: {why}. Drop "
+                      "it: checkpoints are then written while training "
+                      "waits")
     if config.grad_accum_steps > 1 and not cls.grad_accumulation:
       raise UserError(f"--grad_accum_steps is not supported in "
                       f"--mode={config.mode}; use --grad_accum_steps=1, or a "
                       "larger --global_batch_size")
+
+  @classmethod
+  def async_checkpoint_refusal(cls, config: Config) -> Optional[str]:
+    """Why `--async_checkpoint` cannot save this mode's checkpoint items, or
+    None. TensorFlow's background save copies variables to the host as it
+    starts; an item that is not a variable (a replica's own state, a sharded
+    slot's view) would be read later, from the writing thread."""
+    del config
+    return None
 
   @classmethod
   def join_cluster(cls, config: Config, cluster: Cluster) -> None:

@@ -64,6 +64,18 @@ class Replicated:
         "__doc__": compressor_class.__doc__})
 
   @classmethod
+  def async_checkpoint_refusal(cls, name: str, options) -> Optional[str]:
+    """Why `--async_checkpoint` cannot save this reducer's state (None: it
+    can). TensorFlow's background save copies mirrored variables; a
+    compressor's per-replica state (error feedback, PowerSGD's Q) it
+    cannot."""
+    compressor = cls.compressor_for(options)
+    if compressor.initial_state is compression.Compressor.initial_state:
+      return None
+    return (f"--reducer={name} checkpoints each replica's own compressor "
+            "state, which the background save cannot copy")
+
+  @classmethod
   def compressor_for(cls, options) -> type:
     """The compressor class these options ask for."""
     del options

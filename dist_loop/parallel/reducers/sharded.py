@@ -9,7 +9,7 @@ every stage and replica count, and the same as `--reducer=exact`'s.
 """
 
 import dataclasses
-from typing import Dict
+from typing import Dict, Optional
 
 from dist_loop.core.options import option
 from dist_loop.parallel import compression
@@ -38,6 +38,13 @@ class Sharded(Replicated):
   Options = ZeroOptions
   checkpoint_layout = "plain"
   stage_name = ""
+
+  @classmethod
+  def async_checkpoint_refusal(cls, name: str, options) -> Optional[str]:
+    del options
+    return (f"--reducer={name} checkpoints optimizer slots gathered from "
+            "their shards, which the background save cannot copy (it can "
+            "with --reducer=exact or cast)")
 
   def __init__(self, options, config, strategy, model, loss_scale, recipe):
     self.sharding = zero.Sharding(

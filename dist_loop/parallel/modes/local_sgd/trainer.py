@@ -81,6 +81,12 @@ class LocalSGDTrainer(Mirrored, LoopTrainer, Reporting):
     super().validate(config, cluster)
     _check_options(config.mode_options, config.train_steps)
 
+  @classmethod
+  def async_checkpoint_refusal(cls, config):
+    del config
+    return ("--mode=local_sgd checkpoints each replica's own state, which "
+            "is not a variable the background save can copy")
+
   def __init__(self, config, devices, dataset, cluster):
     super().__init__(config, devices, dataset, cluster)
     self.is_chief = cluster.is_chief

@@ -73,6 +73,12 @@ class PSTrainer(Trainer, Reporting):
   # -- before TensorFlow starts --
 
   @classmethod
+  def async_checkpoint_refusal(cls, config):
+    del config
+    return ("--mode=ps keeps its variables on the parameter servers, which "
+            "the background save does not copy")
+
+  @classmethod
   def num_replicas(cls, config, cluster) -> int:
     return 1  # A step is one worker's batch of --global_batch_size examples.
 

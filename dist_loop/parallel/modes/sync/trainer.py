@@ -51,6 +51,11 @@ class SyncTrainer(Mirrored, LoopTrainer, Reporting):
                         cls.num_replicas(config, cluster), "replicas")
     REDUCERS.get(config.reducer).check(config)
 
+  @classmethod
+  def async_checkpoint_refusal(cls, config):
+    return REDUCERS.get(config.reducer).async_checkpoint_refusal(
+        config.reducer, config.reducer_options)
+
   def __init__(self, config, devices, dataset, cluster):
     super().__init__(config, devices, dataset, cluster)
     self.is_chief = cluster.is_chief

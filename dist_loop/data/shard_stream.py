@@ -1,0 +1,301 @@
+"""tf.data from shard files to batches, with the in-memory stream's rules.
+
+Nothing here holds a split in memory: records are read, parsed (`x`, `y`
+raw bytes, checked by size against the spec) and batched by tf.data, with
+as many parallel reads and parses as the process has cores and a
+prefetch, and eval reads its split front to back. Like every input of
+`data/stream.py`, a pipeline runs without tf.data's autotuning thread, so
+freeing it never waits on that thread (`stream.without_autotune`).
+
+**ArrayRecord (random access)** keeps every guarantee of `data/stream.py`:
+the global stream of example indices by (seed, position) is cut per
+replica and per process the same way, and a pipeline reads only its own
+replicas' records. Epoch e's order is `index_shuffle((seed, e))` of the
+position within the epoch (`order="index_shuffle"`): a position maps to
+its index in O(1), so a resume is a jump that reads nothing it skips, and
+no per-epoch permutation is held in memory. `order="memory"` draws the
+in-memory datasets' own permutation (an argsort of stateless uniforms:
+8 bytes per example per epoch), so a run begun on in-memory data continues
+on the same data as shards exactly. Either way N devices = 1 device.
+
+**TFRecord (sequential)**: process p of P reads its own files, p, p+P, ...
+Its epoch e is those files in an order drawn from (seed, e), each read
+front to back; consecutive records make its local replicas' batches. A
+resume at step s is position s * (local examples per step) of that
+stream: whole files before it are skipped by the manifest's counts, and
+at most one file is read up to the position. The position is a function
+of the step, so the checkpoint's step is the iterator's state. With one
+process, N devices = 1 device; with P processes, each epoch covers every
+record once when the processes' files hold equal counts (`make_shards`
+balances them; --num_shards a multiple of P).
+
+A record that does not match the spec stops the input with its file and
+index (`SPEC_ERROR` in the error's message: `describe_error`).
+"""
+
+import os
+import re
+import threading
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+import tensorflow as tf
+
+from dist_loop.core.errors import UserError
+from dist_loop.data import bad_records, service, shard_format, stream
+
+ORDERS = ("index_shuffle", "memory")
+SPEC_ERROR = "does not match the manifest spec"
+_no_autograph = stream.no_autograph
+_FOREVER = np.iinfo(np.int64).max
+_PAD = 498247692  # tf.random.experimental.index_shuffle's seed word.
+
+
+class Split:
+  """One split of a shards directory, as the input reads it.
+
+  Args:
+    data_dir: the shards directory.
+    manifest: its manifest (`shard_format.read_manifest`).
+    split: "train" or "eval".
+    image_size: the side length the model wants for images, or None.
+  """
+
+  def __init__(self, data_dir: str, manifest: Dict[str, Any], split: str,
+               image_size: Optional[int]):
+    self.format = manifest["format"]
+    self.paths = shard_format.paths(data_dir, manifest, split)
+    self.counts = shard_format.counts(manifest, split)
+    self.num_records = sum(self.counts)
+    self.spec = manifest["spec"]
+    shape = list(self.spec["x"]["shape"])
+    self.resize = (image_size if image_size and len(shape) == 3
+                   and shape[:2] != [image_size] * 2 else None)
+    if self.resize:
+      shape[:2] = [image_size, image_size]
+    self.x_shape, self.y_shape = tuple(shape), tuple(self.spec["y"]["shape"])
+    self._arrayrecords = (_ArrayRecords(self.paths, self.counts)
+                          if self.format == "arrayrecord" else None)
+    # Drops and counts unparsable records (`data/bad_records.py`), or None.
+    self.skipper = None
+    # The tf.data service that parses the training input (`data/service.py`).
+    self.service = ""
+
+  def parse(self, serialized, files, indices):
+    """A batch of serialized Examples -> (x, y), each checked by size;
+    `files`, `indices` name the records in an error."""
+    # An Example starts with its `features` field (tag 0x0a) and holds at
+    # least x's and y's bytes: what is not is named before the parse
+    # (which would fail naming neither file nor record).
+    least = sum(shard_format.record_bytes(self.spec[k]) for k in ("x", "y"))
+    bad = tf.where(tf.logical_or(
+        tf.strings.substr(serialized, 0, 1) != "\n",
+        tf.strings.length(serialized) < least))[:1, 0]
+    check = tf.debugging.Assert(tf.size(bad) == 0, [
+        "record", tf.gather(indices, bad), "of", tf.gather(files, bad),
+        f"{SPEC_ERROR}: it is not a tf.train.Example of x and y"])
+    with tf.control_dependencies([check]):
+      features = tf.io.parse_example(serialized, {
+          key: tf.io.FixedLenFeature([], tf.string) for key in ("x", "y")})
+    out = []
+    for key, shape in (("x", self.spec["x"]["shape"]),
+                       ("y", self.spec["y"]["shape"])):
+      raw = features[key]
+      size = shard_format.record_bytes(self.spec[key])
+      bad = tf.where(tf.strings.length(raw) != size)[:1, 0]  # The first.
+      check = tf.debugging.Assert(
+          tf.size(bad) == 0,
+          ["record", tf.gather(indices, bad), "of", tf.gather(files, bad),
+           f"{SPEC_ERROR}: its {key} is not {size} bytes"])
+      with tf.control_dependencies([check]):
+        values = tf.io.decode_raw(raw, self.spec[key]["dtype"],
+                                  little_endian=True)
+      out.append(tf.reshape(values, [-1] + list(shape)))
+    x, y = out
+    if self.resize:
+      x = tf.image.resize(x, (self.resize, self.resize), method="bilinear")
+    return x, y
+
+  # -- random access --
+
+  def read(self, indices):
+    """Records by global index (ArrayRecord): (serialized, their files,
+    their indices within them)."""
+    indices = tf.cast(indices, tf.int64)  # The in-memory order's are int32.
+    serialized = tf.numpy_function(self._arrayrecords.read, [indices],
+                                   tf.string, stateful=False)
+    serialized.set_shape(indices.shape)
+    starts = np.cumsum([0] + self.counts)[:-1]
+    file_of = tf.searchsorted(tf.constant(starts[1:], tf.int64), indices,
+                              side="right")
+    return (serialized, tf.gather(tf.constant(self.paths), file_of),
+            indices - tf.gather(tf.constant(starts, tf.int64), file_of))
+
+  # -- sequential --
+
+  def records(self, files_of, seed: int, start: int, pipeline: int,
+              pipelines: int) -> tf.data.Dataset:
+    """This pipeline's (serialized, file, index) stream of TFRecords from
+    its position `start`, epoch after epoch."""
+    if len(self.paths) < pipelines:
+      raise UserError(
+          f"{os.path.dirname(self.paths[0])} has {len(self.paths)} TFRecord "
+          f"train shards for {pipelines} processes, each of which reads "
+          f"its own; make the shards again with --num_shards a multiple of "
+          f"{pipelines}")
+    paths = tf.constant(self.paths[pipeline::pipelines])
+    counts = np.asarray(self.counts[pipeline::pipelines], np.int64)
+    first_epoch, offset = divmod(start, int(counts.sum()))
+    counts_t = tf.constant(counts)
+
+    @_no_autograph
+    def epoch(e):
+      keys = tf.random.stateless_uniform(
+          [len(counts)], seed=tf.stack([tf.constant(seed, tf.int64), e]))
+      order = tf.argsort(keys)
+      skip_all = tf.where(e == first_epoch, tf.constant(offset, tf.int64),
+                          tf.constant(0, tf.int64))
+      sizes = tf.gather(counts_t, order)
+      skips = tf.clip_by_value(skip_all - (tf.cumsum(sizes) - sizes), 0,
+                               sizes)
+      # The files wholly before the position are not opened.
+      kept = skips < sizes
+      return (tf.data.Dataset.from_tensor_slices(
+          (tf.boolean_mask(tf.gather(paths, order), kept),
+           tf.boolean_mask(skips, kept)))
+              .flat_map(_no_autograph(files_of)))
+
+    return tf.data.Dataset.range(first_epoch, _FOREVER).flat_map(epoch)
+
+
+def read_file(path, skip):
+  """One TFRecord file's (serialized, file, index) records from `skip`."""
+  return (tf.data.TFRecordDataset(path).enumerate().skip(skip)
+          .map(_no_autograph(lambda i, r: (r, path, i))))
+
+
+class _ArrayRecords:
+  """Records by global index from a split's ArrayRecord files; a reader
+  per file and per tf.data thread, opened on first use."""
+
+  def __init__(self, paths: List[str], counts: List[int]):
+    self._paths = paths
+    self._starts = np.cumsum([0] + list(counts))
+    self._local = threading.local()
+
+  def read(self, indices: np.ndarray) -> np.ndarray:
+    from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
+    readers = getattr(self._local, "readers", None)
+    if readers is None:
+      readers = self._local.readers = {}
+    file_of = np.searchsorted(self._starts, indices, side="right") - 1
+    out = np.empty(len(indices), dtype=object)
+    for f in np.unique(file_of):
+      if f not in readers:
+        readers[f] = array_record_module.ArrayRecordReader(
+            self._paths[f], "readahead_buffer_size:0")
+      rows = np.nonzero(file_of == f)[0]
+      out[rows] = readers[f].read((indices[rows] - self._starts[f]).tolist())
+    return out
+
+
+def shuffled_indices(n: int, seed: int, start: int) -> tf.data.Dataset:
+  """Example indices from stream position `start`: position p of epoch e
+  is `index_shuffle(p mod n, (seed, e))`, computed, never stored."""
+  @_no_autograph
+  def indices(positions):
+    epoch, within = positions // n, positions % n
+    # The raw op: its wrapper pads a per-element [n, 2] seed along the
+    # wrong axis. The first word is the one the wrapper adds to a [2] seed.
+    seeds = tf.stack([tf.fill(tf.shape(epoch), tf.constant(_PAD, tf.int64)),
+                      tf.fill(tf.shape(epoch), tf.constant(seed, tf.int64)),
+                      epoch], axis=1)
+    return tf.raw_ops.RandomIndexShuffle(
+        index=within, seed=seeds, rounds=4,
+        max_index=tf.fill(tf.shape(within), tf.constant(n - 1, tf.int64)))
+
+  return (tf.data.Dataset.range(start, _FOREVER).batch(1024).map(indices)
+          .unbatch())
+
+
+def train_dataset_fn(split: Split, global_batch_size: int, seed: int,
+                     start_step: int, order: str):
+  """`dataset_fn(input_context)` of the training split (`stream`'s rules:
+  each element one replica's batch, a pipeline's local replicas in turn)."""
+
+  def dataset_fn(ctx: tf.distribute.InputContext) -> tf.data.Dataset:
+    per_replica = ctx.get_per_replica_batch_size(global_batch_size)
+    if split.format == "arrayrecord":
+      start = start_step * global_batch_size
+      if order == "memory":
+        ids = stream.index_stream(split.num_records, seed, start)
+      else:
+        ids = shuffled_indices(split.num_records, seed, start)
+      ids = stream.cut(ids, ctx, per_replica)
+      ds = ids.map(_no_autograph(split.read),
+                   num_parallel_calls=stream.parallel_calls(),
+                   deterministic=True)
+      records = ds.unbatch()
+    else:
+      local = ctx.num_replicas_in_sync // ctx.num_input_pipelines
+      start = start_step * per_replica * local
+      records = split.records(read_file, seed, start, ctx.input_pipeline_id,
+                              ctx.num_input_pipelines)
+      ds = records.batch(per_replica, drop_remainder=True)
+      if split.service:
+        ds = service.shard_point(ds)
+    if split.skipper is not None:
+      ds = split.skipper.batches(records, split.parse, per_replica)
+    else:
+      ds = ds.map(_no_autograph(split.parse),
+                  num_parallel_calls=stream.parallel_calls(),
+                  deterministic=True)
+    if split.service:
+      ds = service.distribute(ds, split.service)
+    return stream.without_autotune(ds.prefetch(tf.data.AUTOTUNE))
+
+  return dataset_fn
+
+
+def eval_dataset(split: Split, batch_size: int) -> tf.data.Dataset:
+  """The split in order, last partial batch kept (with a skipper, bad
+  records left out, not counted)."""
+  if split.format == "arrayrecord":
+    ds = (tf.data.Dataset.range(split.num_records).batch(batch_size)
+          .map(_no_autograph(split.read)))
+    records = ds.unbatch()
+  else:
+    records = (tf.data.Dataset.from_tensor_slices(
+        (split.paths, tf.zeros([len(split.paths)], tf.int64)))
+               .flat_map(_no_autograph(read_file)))
+    ds = records.batch(batch_size)
+  if split.skipper is not None:
+    ds = split.skipper.batches(records, split.parse, batch_size, count=False)
+  else:
+    ds = ds.map(_no_autograph(split.parse),
+                num_parallel_calls=stream.parallel_calls(), deterministic=True)
+  return stream.without_autotune(ds.prefetch(tf.data.AUTOTUNE))
+
+
+def input_error(error: Exception) -> Optional[UserError]:
+  """The one line of a tf.data error about bad records (`Split.parse`,
+  `bad_records.Skipper`), or None for any other error."""
+  message = str(error)
+  found = re.search(r"\[record\] \[(\d+)\] \[of\] \[(.*?)\] \[(%s[^\]]*)\]"
+                    % SPEC_ERROR, message)
+  if found:
+    index, path, what = found.groups()
+    return UserError(f"{path}: record {index} {what}; make the shards again "
+                     "with tools.make_shards, or pass --skip_bad_records")
+  found = re.search(r"\[(\d+)\] \[(%s[^\]]*)\]" % bad_records.LIMIT_ERROR,
+                    message)
+  if found:
+    return UserError(f"{found.group(1)} {found.group(2)}; fix or make the "
+                     "shards again, or raise --max_bad_records")
+  return None
+
+
+def head(split: Split, count: int) -> Tuple[np.ndarray, np.ndarray]:
+  """The split's first `count` examples as numpy arrays (a probe batch)."""
+  x, y = next(iter(eval_dataset(split, count)))
+  return x.numpy(), y.numpy()

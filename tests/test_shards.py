@@ -1,0 +1,289 @@
+"""Shards keep the in-memory input's guarantees: exactly once per epoch over
+replicas and processes, N devices = 1 device, a resume that is a jump."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from dist_loop.core.errors import UserError
+from dist_loop.data import shard_format, shard_stream, shard_writer, shards
+from dist_loop.data import stream
+from dist_loop.data.base import Dataset
+from dist_loop.runtime import strategy as strategy_lib
+
+N = 96  # Examples: one epoch is 4 steps of 24.
+BATCH = 24
+
+
+@pytest.fixture(scope="module")
+def index_shards(tmp_path_factory):
+  """Shards whose example i has input i: {format: data_dir}."""
+  x = np.arange(N, dtype=np.float32)[:, None]
+  y = np.zeros(N, np.int32)
+  dataset = Dataset(x, y, x[:10], y[:10], 2)
+  root = tmp_path_factory.mktemp("shards")
+  return {fmt: _write(dataset, fmt, str(root / fmt), num_shards=4)
+          for fmt in shard_format.FORMATS}
+
+
+def _write(dataset, fmt, out, num_shards):
+  shard_writer.write(dataset, fmt, num_shards, out, seed=3, description={})
+  return out
+
+
+def _column(data_dir, order="index_shuffle"):
+  return shards.load(data_dir, 0, options=shards.ShardsOptions(
+      shard_order=order)).train_x
+
+
+def _ids(fn, replicas, steps, pipelines=1, pipeline=0):
+  """[step][replica] -> example ids, through the loop's own feed."""
+  devices = [d.name for d in tf.config.list_logical_devices("CPU")]
+  strategy = strategy_lib.mirrored(devices[:replicas])
+  if pipelines == 1:
+    it = stream.replica_input(strategy, fn)
+    rows = lambda: strategy.experimental_local_results(  # pylint: disable=g-long-lambda
+        stream.replica_batches(strategy, next(it))[0])
+  else:  # One process's pipeline of a multi-process run.
+    ctx = tf.distribute.InputContext(pipelines, pipeline,
+                                     replicas * pipelines)
+    it = iter(fn(ctx))
+    rows = lambda: [next(it)[0] for _ in range(replicas)]  # pylint: disable=g-long-lambda
+  return [[np.asarray(r).ravel().astype(int).tolist() for r in rows()]
+          for _ in range(steps)]
+
+
+@pytest.mark.parametrize("fmt", shard_format.FORMATS)
+def test_an_epoch_covers_each_example_once_over_replicas_and_processes(
+    index_shards, fmt):
+  fn = _column(index_shards[fmt]).train_dataset_fn(BATCH, 5, 0)
+  one_process = _ids(fn, 2, N // BATCH)
+  seen = sum((sum(step, []) for step in one_process), [])
+  assert sorted(seen) == list(range(N))
+  two = [_ids(fn, 1, N // BATCH, pipelines=2, pipeline=p) for p in (0, 1)]
+  seen = sum((sum(step, []) for p in two for step in p), [])
+  assert sorted(seen) == list(range(N))
+  if fmt == "tfrecord":  # Each process reads its own files...
+    halves = [set(sum((sum(s, []) for s in p), [])) for p in two]
+    assert not halves[0] & halves[1]
+    with pytest.raises(UserError, match="4 TFRecord train shards for 8 "
+                       "processes"):  # ...so there must be one per process.
+      _ids(fn, 1, 1, pipelines=8)
+
+
+@pytest.mark.parametrize("fmt", shard_format.FORMATS)
+def test_a_resume_continues_at_the_exact_position(index_shards, fmt):
+  col = _column(index_shards[fmt])
+  whole = _ids(col.train_dataset_fn(BATCH, 5, 0), 2, 7)
+  resumed = _ids(col.train_dataset_fn(BATCH, 5, 3), 2, 4)
+  assert resumed == whole[3:]
+
+
+def test_random_access_batches_do_not_depend_on_the_replica_count(
+    index_shards):
+  col = _column(index_shards["arrayrecord"])
+  one = _ids(col.train_dataset_fn(BATCH, 5, 0), 1, 6)
+  four = _ids(col.train_dataset_fn(BATCH, 5, 0), 4, 6)
+  assert [sorted(s[0]) for s in one] == [sorted(sum(s, [])) for s in four]
+  epochs = [sum(sum(one[e * 4:(e + 1) * 4], []), []) for e in (0, 1)]
+  assert epochs[0] != epochs[1]  # A new order every epoch.
+
+
+def test_memory_order_is_the_in_memory_stream(index_shards):
+  col = _column(index_shards["arrayrecord"], order="memory")
+  x = np.arange(N, dtype=np.float32)[:, None]
+  in_memory = stream.train_dataset_fn(x, np.zeros(N, np.int32), BATCH, 5, 2)
+  assert (_ids(col.train_dataset_fn(BATCH, 5, 2), 2, 5)
+          == _ids(in_memory, 2, 5))
+
+
+def test_index_shuffle_reads_only_the_records_a_step_uses(index_shards,
+                                                          monkeypatch):
+  split = _column(index_shards["arrayrecord"])._split  # pylint: disable=protected-access
+  asked = []
+  read = shard_stream._ArrayRecords.read  # pylint: disable=protected-access
+  monkeypatch.setattr(shard_stream._ArrayRecords, "read",  # pylint: disable=protected-access
+                      lambda self, i: asked.extend(i.tolist()) or read(self, i))
+  fn = shard_stream.train_dataset_fn(split, BATCH, 5, 1000, "index_shuffle")
+  it = iter(fn(tf.distribute.InputContext()))
+  next(it)
+  del it
+  # At most what the prefetch buffers hold: a few batches, not 1000 steps.
+  assert BATCH <= len(asked) <= 8 * BATCH
+
+
+# -- bad data: one line naming the file, before training --
+
+
+@pytest.fixture
+def digits_copy(index_shards, tmp_path):
+  import shutil  # pylint: disable=g-import-not-at-top
+  out = str(tmp_path / "copy")
+  shutil.copytree(index_shards["arrayrecord"], out)
+  return out
+
+
+def _error(data_dir):
+  with pytest.raises(Exception) as info:
+    shards.load(data_dir, 0)
+  message = str(info.value)
+  assert "\n" not in message
+  return message
+
+
+def test_missing_truncated_and_miscounted_shards_are_named(digits_copy):
+  path = os.path.join(digits_copy, "train-00001-of-00004.arrayrecord")
+  data = open(path, "rb").read()
+  with open(path, "wb") as f:
+    f.write(data[:len(data) // 2])
+  assert path in _error(digits_copy) and "truncated" in _error(digits_copy)
+  os.remove(path)
+  assert path in _error(digits_copy) and "cannot be read" in _error(
+      digits_copy)
+
+
+def test_a_manifest_that_disagrees_with_its_files_is_named(digits_copy):
+  manifest_path = os.path.join(digits_copy, shard_format.MANIFEST)
+  manifest = json.load(open(manifest_path))
+  manifest["splits"]["train"]["files"][2]["records"] += 1
+  json.dump(manifest, open(manifest_path, "w"))
+  assert "train-00002-of-00004.arrayrecord holds 24 records, the manifest " \
+         "says 25" in _error(digits_copy)
+  manifest["splits"]["train"]["files"][2]["records"] = 0
+  json.dump(manifest, open(manifest_path, "w"))
+  assert "empty shard" in _error(digits_copy)
+  os.remove(manifest_path)
+  assert "tools.make_shards" in _error(digits_copy)
+
+
+def test_a_record_not_matching_the_spec_names_its_file_and_index(tmp_path):
+  out, path = _with_records(tmp_path, lambda i: shard_format.encode(
+      np.float32([i] * (2 if i == 5 else 1)), np.int32(0)))  # 5: two floats.
+  col = shards.load(out, 0).train_x
+  it = iter(col.train_dataset_fn(N, 0, 0)(tf.distribute.InputContext()))
+  with pytest.raises(tf.errors.InvalidArgumentError) as info:
+    next(it)
+  assert str(shard_stream.input_error(info.value)) == (
+      f"{path}: record 5 {shard_stream.SPEC_ERROR}: its x is not 4 bytes; "
+      "make the shards again with tools.make_shards, or pass "
+      "--skip_bad_records")
+
+
+@pytest.mark.parametrize("fmt", shard_format.FORMATS)
+def test_shard_input_is_not_autotuned_and_frees_at_once(index_shards, fmt):
+  import time  # pylint: disable=g-import-not-at-top
+  col = _column(index_shards[fmt])
+  for ds in (col.train_dataset_fn(BATCH, 5, 0)(tf.distribute.InputContext()),
+             col.eval_dataset(4)):
+    assert ds.options().autotune.enabled is False
+    it = iter(ds)
+    next(it)
+    start = time.monotonic()
+    del it  # Reads in flight finish; nothing sleeps out a round.
+    assert time.monotonic() - start < 5
+
+
+def _with_records(tmp_path, record):
+  """TFRecord shards of N examples, train record i being `record(i)`:
+  (directory, the train file), the manifest matching the file."""
+  x = np.arange(N, dtype=np.float32)[:, None]
+  y = np.zeros(N, np.int32)
+  out = _write(Dataset(x, y, x[:4], y[:4], 2), "tfrecord",
+               str(tmp_path / "bad"), num_shards=1)
+  manifest_path = os.path.join(out, shard_format.MANIFEST)
+  manifest = json.load(open(manifest_path))
+  entry = manifest["splits"]["train"]["files"][0]
+  path = os.path.join(out, entry["name"])
+  with tf.io.TFRecordWriter(path) as w:
+    for i in range(N):
+      w.write(record(i))
+  entry["bytes"], entry["sha256"] = (os.path.getsize(path),
+                                     shard_format.sha256(path))
+  json.dump(manifest, open(manifest_path, "w"))
+  return out, path
+
+
+def test_skip_bad_records_counts_them_and_stops_past_the_limit(tmp_path):
+  out, _ = _with_records(tmp_path, lambda i: b"\xff garbage" if i in (
+      3, 40, 41) else shard_format.encode(np.float32([i]), np.int32(0)))
+  options = shards.ShardsOptions(skip_bad_records=True, max_bad_records=3)
+  col = shards.load(out, 0, options=options).train_x
+  it = iter(col.train_dataset_fn(BATCH, 0, 0)(tf.distribute.InputContext()))
+  seen = [int(v) for _ in range(4) for v in next(it)[0].numpy().ravel()]
+  # The first epoch: the good records, none twice; then the next epoch.
+  assert set(seen[:N - 3]) == set(range(N)) - {3, 40, 41}
+  assert len(set(seen[:N - 3])) == N - 3
+  assert shards.input_metrics(shards.load(out, 0, options=options)) == {
+      "data/bad_records": 0.0}  # A new input counts afresh.
+  # The first epoch's 3, and what the prefetch has read ahead of it.
+  assert col.skipper.metrics()["data/bad_records"] >= 3
+  with pytest.raises(tf.errors.InvalidArgumentError) as info:
+    for _ in range(10):  # The second epoch's first bad record is the 4th.
+      next(it)
+  assert str(shard_stream.input_error(info.value)).startswith(
+      f"4 {shard_stream.bad_records.LIMIT_ERROR}=3 in {out}; ")
+
+
+@pytest.mark.timeout(120)
+def test_two_data_workers_produce_each_batch_of_the_stream_once(index_shards):
+  from dist_loop.data import service  # pylint: disable=g-import-not-at-top
+  address, servers = service.start_local(2)
+  local = shards.load(index_shards["tfrecord"], 0).train_x
+  served = shards.load(index_shards["tfrecord"], 0,
+                       options=shards.ShardsOptions(
+                           data_service=address)).train_x
+  ctx = tf.distribute.InputContext()
+  # The first epoch's 9 batches of 10: disjoint, so no two alike.
+  expected = [tuple(b[0].numpy().ravel()) for b in
+              local.train_dataset_fn(10, 5, 0)(ctx).take(N // 10)]
+  it = iter(served.train_dataset_fn(10, 5, 0)(ctx))
+  got = [tuple(next(it)[0].numpy().ravel()) for _ in range(4)]
+  del it
+  assert len(set(got)) == len(got)  # No batch twice: static sharding.
+  assert set(got) <= set(expected)  # The stream's own batches.
+  del servers
+
+
+def test_a_users_npz_becomes_shards_that_read_back_equal(tmp_path):
+  rng = np.random.RandomState(0)
+  arrays = {"x_train": rng.rand(30, 4, 4, 1).astype(np.float32),
+            "y_train": rng.randint(0, 3, 30), "x_test": rng.rand(
+                7, 4, 4, 1).astype(np.float32), "y_test": rng.randint(0, 3, 7)}
+  path = str(tmp_path / "mine.npz")
+  np.savez(path, **arrays)
+  out = _write(shard_writer.from_npz(path), "arrayrecord",
+               str(tmp_path / "mine"), num_shards=2)
+  loaded = shards.load(out, 0)
+  x, y = next(iter(loaded.eval_x.eval_dataset(100)))
+  np.testing.assert_array_equal(x.numpy(), arrays["x_test"])
+  np.testing.assert_array_equal(y.numpy(), arrays["y_test"])
+  assert loaded.num_classes == 3 and loaded.train_x.shape == (30, 4, 4, 1)
+  np.savez(path, x_train=arrays["x_train"])
+  with pytest.raises(UserError, match="lacks y_train, x_test, y_test"):
+    shard_writer.from_npz(path)
+
+
+def _inputs_of(path):
+  """The example ids (inputs) in a TFRecord shard of `index_shards`."""
+  return {int(np.frombuffer(tf.train.Example.FromString(r.numpy()).features
+                            .feature["x"].bytes_list.value[0], np.float32)[0])
+          for r in tf.data.TFRecordDataset(path)}
+
+
+def test_a_tfrecord_resume_does_not_open_the_files_it_skips(index_shards,
+                                                           tmp_path):
+  import shutil  # pylint: disable=g-import-not-at-top
+  out = str(tmp_path / "copy")
+  shutil.copytree(index_shards["tfrecord"], out)
+  col = _column(out)  # Checked against the manifest now, intact.
+  whole = _ids(col.train_dataset_fn(BATCH, 5, 0), 1, 4)
+  skipped = set(sum((step[0] for step in whole[:3]), []))  # 3 whole files.
+  for name in os.listdir(out):
+    path = os.path.join(out, name)
+    if name.startswith("train-") and _inputs_of(path) <= skipped:
+      with open(path, "wb") as f:  # Unreadable if it were opened.
+        f.write(b"\0" * 16)
+  assert _ids(col.train_dataset_fn(BATCH, 5, 3), 1, 1) == whole[3:4]

@@ -1,0 +1,168 @@
+"""Training from shards equals training from memory: the seed CNN on digits
+over 2 devices, the Transformer on text; a run begun in memory resumed on
+shards, over 2 devices, equals an uninterrupted run on shards."""
+
+import json
+import os
+import sys
+import sysconfig
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conftest import read_events, run_launch, run_main
+from dist_loop import data, make_config
+from dist_loop.data import shard_format, shard_writer
+from helpers import initial_and_trained
+
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def digits_shards(tmp_path_factory):
+  out = str(tmp_path_factory.mktemp("digits") / "shards")
+  dataset = data.DATASETS.get("digits")(None, 0, None)
+  shard_writer.write(dataset, "arrayrecord", 3, out, 0, {"dataset": "digits"})
+  return out
+
+
+def _config(tmp_path, name, **flat):
+  base = dict(workdir=str(tmp_path / name), model="cnn", num_devices=1,
+              global_batch_size=32, train_steps=STEPS, optimizer="sgd",
+              learning_rate=0.1, steps_per_loop=STEPS, log_every=STEPS,
+              eval_every=STEPS, checkpoint_every=STEPS, seed=1)
+  base.update(flat)
+  return make_config(**base)
+
+
+def _close(a, b):
+  return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b)) < 1e-5
+
+
+def test_cnn_on_two_devices_of_shards_equals_one_device_in_memory(
+    digits_shards, tmp_path):
+  _, memory = initial_and_trained(_config(tmp_path, "m", dataset="digits"),
+                                  STEPS)
+  _, sharded = initial_and_trained(_config(
+      tmp_path, "s", dataset="shards", data_dir=digits_shards,
+      shard_order="memory", num_devices=2), STEPS)
+  assert _close(memory, sharded)
+
+
+def test_transformer_on_text_shards_equals_in_memory(tmp_path):
+  source = os.path.join(sysconfig.get_paths()["stdlib"], "json",
+                        "decoder.py")
+  tiny = dict(model="transformer", num_layers=1, d_model=16, num_heads=2,
+              mlp_ratio=2, global_batch_size=8, learning_rate=0.5)
+  text = dict(dataset="text", data_file=source, seq_len=8)
+  loaded = data.load(_config(tmp_path, "t", **text, **tiny), None)
+  out = str(tmp_path / "text_shards")
+  shard_writer.write(loaded, "arrayrecord", 2, out, 0, {})
+  _, memory = initial_and_trained(_config(tmp_path, "tm", **text, **tiny), 3)
+  _, sharded = initial_and_trained(_config(
+      tmp_path, "ts", dataset="shards", data_dir=out, shard_order="memory",
+      **tiny), 3)
+  assert _close(memory, sharded)
+
+
+COMMON = ["--num_devices=2", "--global_batch_size=32", "--optimizer=sgd",
+          "--learning_rate=0.1", "--steps_per_loop=2", "--log_every=2",
+          "--eval_every=4", "--checkpoint_every=2", "--seed=1"]
+
+
+def _resumed_equals_whole(tmp_path, first, then, whole):
+  """A run of `first` for 2 steps resumed with `then` to 4 ends as a run
+  of `whole` for 4 steps."""
+  resumed, uninterrupted = str(tmp_path / "resumed"), str(tmp_path / "whole")
+  assert run_main(f"--workdir={resumed}", "--train_steps=2", *first,
+                  *COMMON)[0] == 0
+  code, _, err = run_main(f"--workdir={resumed}", "--train_steps=4", *then,
+                          *COMMON)
+  assert code == 0, err
+  assert run_main(f"--workdir={uninterrupted}", "--train_steps=4", *whole,
+                  *COMMON)[0] == 0
+  summaries = [json.load(open(os.path.join(w, "summary.json")))
+               for w in (resumed, uninterrupted)]
+  assert summaries[0]["final_step"] == summaries[1]["final_step"] == 4
+  assert summaries[0]["eval_loss"] == pytest.approx(summaries[1]["eval_loss"],
+                                                    rel=1e-6)
+
+
+def test_in_memory_run_resumed_on_shards_equals_uninterrupted(
+    digits_shards, tmp_path):
+  shards = ["--model=cnn", "--dataset=shards", f"--data_dir={digits_shards}",
+            "--shard_order=memory"]
+  _resumed_equals_whole(tmp_path, ["--model=cnn", "--dataset=digits"],
+                        ["--allow_config_change", *shards], shards)
+
+
+def test_tfrecord_run_resumed_equals_uninterrupted(tmp_path):
+  out = str(tmp_path / "tfrecord")
+  # 45 records a file: the resume at record 64 skips a whole file first.
+  shard_writer.write(data.DATASETS.get("digits")(None, 0, None), "tfrecord",
+                     32, out, 0, {"dataset": "digits"})
+  shards = ["--model=mlp", "--dataset=shards", f"--data_dir={out}"]
+  _resumed_equals_whole(tmp_path, shards, shards, shards)
+
+
+def _digits_with_a_bad_record(tmp_path):
+  """TFRecord digits shards whose first file's record 5 is not an Example;
+  returns (directory, that file)."""
+  out = str(tmp_path / "bad_shards")
+  shard_writer.write(data.DATASETS.get("digits")(None, 0, None), "tfrecord",
+                     2, out, 0, {"dataset": "digits"})
+  manifest_path = os.path.join(out, "manifest.json")
+  manifest = json.load(open(manifest_path))
+  entry = manifest["splits"]["train"]["files"][0]
+  path = os.path.join(out, entry["name"])
+  records = [r.numpy() for r in tf.data.TFRecordDataset(path)]
+  records[5] = b"not an Example"
+  with tf.io.TFRecordWriter(path) as w:
+    for r in records:
+      w.write(r)
+  entry["bytes"] = os.path.getsize(path)
+  entry["sha256"] = shard_format.sha256(path)
+  json.dump(manifest, open(manifest_path, "w"))
+  return out, path
+
+
+def test_a_bad_record_stops_the_run_in_one_line_or_is_skipped_and_counted(
+    tmp_path):
+  out, path = _digits_with_a_bad_record(tmp_path)
+  common = ["--dataset=shards", f"--data_dir={out}", "--model=mlp",
+            "--global_batch_size=64", "--train_steps=30",
+            "--steps_per_loop=10", "--log_every=10", "--eval_every=30",
+            "--checkpoint_every=10"]
+  stopped = str(tmp_path / "stopped")
+  code, _, err = run_main(f"--workdir={stopped}", *common)
+  assert code != 0
+  lines = [l for l in err.splitlines() if l.startswith("error:")]
+  assert len(lines) == 1 and path in lines[0]
+  skipped = str(tmp_path / "skipped")
+  code, _, err = run_main(f"--workdir={skipped}", "--skip_bad_records",
+                          *common)
+  assert code == 0, err
+  summary = json.load(open(os.path.join(skipped, "summary.json")))
+  assert summary["bad_records"] >= 1  # Record 5, in every epoch read.
+  events = read_events(os.path.join(skipped, "tb"))
+  assert max(events["train/data/bad_records"].values()) >= 1
+
+
+@pytest.mark.timeout(240)
+def test_launch_starts_two_data_workers_that_feed_the_run(tmp_path):
+  out = str(tmp_path / "tfrecord")
+  shard_writer.write(data.DATASETS.get("digits")(None, 0, None), "tfrecord",
+                     2, out, 0, {"dataset": "digits"})
+  workdir = str(tmp_path / "run")
+  result = run_launch(
+      "--num_workers=1", "--num_data_workers=2", "--", sys.executable, "-m",
+      "experiments.train", "--dataset=shards", f"--data_dir={out}",
+      "--model=mlp", f"--workdir={workdir}", "--train_steps=4",
+      "--steps_per_loop=2", "--log_every=2", "--eval_every=4",
+      "--checkpoint_every=4", timeout=200)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert "--data_service=grpc://localhost:" in open(
+      os.path.join(workdir, "flags.txt")).read()
+  assert json.load(open(os.path.join(workdir, "summary.json")))[
+      "final_step"] == 4

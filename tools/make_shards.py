@@ -1,0 +1,98 @@
+r"""Make shards: any registered dataset, or your own file, as files on disk.
+
+    python -m tools.make_shards --dataset=digits --format=arrayrecord \
+        --num_shards=4 --out=/data/digits_shards
+    python -m tools.make_shards --dataset=text --data_file=corpus.txt \
+        --seq_len=128 --format=tfrecord --num_shards=16 --out=/data/corpus
+    python -m tools.make_shards --dataset=npz --npz=mine.npz ...
+
+then train with `--dataset=shards --data_dir=OUT`. The dataset is loaded as
+a run would load it (its split, its normalisation; `--image_size` resizes
+images, by default they are kept as they are and resized when read) and
+checked by the same rules (`data.base.check`). `--dataset=npz` takes an
+.npz with x_train, y_train, x_test, y_test. Formats, the manifest and the
+guarantees: docs/data.md. Bad input is one line on stderr and exit 2.
+"""
+
+import dataclasses
+import sys
+
+from absl import app, flags
+
+from dist_loop.core.errors import UserError
+from dist_loop.runtime import console, process_exit
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("dataset", None, "A registered dataset (digits, mnist, "
+                    "pysource, text, ...) or npz (with --npz).")
+flags.DEFINE_enum("format", "arrayrecord", ["tfrecord", "arrayrecord"],
+                  "tfrecord: sequential; arrayrecord: random access.")
+flags.DEFINE_integer("num_shards", 8, "Files of the train split.",
+                     lower_bound=1)
+flags.DEFINE_string("out", None, "The directory to create.")
+flags.DEFINE_string("data_dir", None, "Where a file-based dataset is read "
+                    "from (mnist.npz).")
+flags.DEFINE_string("data_file", None, "--dataset=text: the file.")
+flags.DEFINE_string("npz", None, "--dataset=npz: the .npz file.")
+flags.DEFINE_integer("seq_len", 128, "Text datasets: bytes per example.",
+                     lower_bound=1)
+flags.DEFINE_integer("image_size", None, "Resize images to this side "
+                     "(default: as the dataset has them).", lower_bound=1)
+flags.DEFINE_integer("seed", 0, "The dataset's split seed, and the order "
+                     "of TFRecord train shards.", lower_bound=0)
+flags.mark_flags_as_required(["dataset", "out"])
+
+
+def load_named():
+  """The dataset FLAGS name, loaded as a run loads it, and its record."""
+  from dist_loop import data  # pylint: disable=g-import-not-at-top
+  from dist_loop.data import shard_writer  # pylint: disable=g-import-not-at-top
+  if FLAGS.dataset == "npz":
+    if not FLAGS.npz:
+      raise UserError("--dataset=npz needs --npz=PATH")
+    dataset = shard_writer.from_npz(FLAGS.npz)
+    data.base.check(dataset, "npz")
+    return dataset, {"dataset": "npz", "npz": FLAGS.npz}
+  if FLAGS.dataset == "shards" or FLAGS.dataset not in data.DATASETS.names():
+    raise UserError(f"--dataset={FLAGS.dataset} is not a registered dataset "
+                    f"({', '.join(data.DATASETS.names())}) or npz")
+  loader = data.DATASETS.get(FLAGS.dataset)
+  kwargs, record = {}, {"dataset": FLAGS.dataset, "seed": FLAGS.seed,
+                        "image_size": FLAGS.image_size}
+  if hasattr(loader, "Options"):
+    given = {"data_file": FLAGS.data_file, "seq_len": FLAGS.seq_len}
+    names = {f.name for f in dataclasses.fields(loader.Options)}
+    options = {k: v for k, v in given.items() if k in names}
+    kwargs["options"] = loader.Options(**options)
+    record.update(options)
+  dataset = loader(FLAGS.data_dir, FLAGS.seed, FLAGS.image_size, **kwargs)
+  data.base.check(dataset, FLAGS.dataset)
+  return dataset, record
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  process_exit.skip_final_gc()
+  console.start(0)
+  console.setup(0)
+  from dist_loop.data import shard_writer  # pylint: disable=g-import-not-at-top
+  try:
+    if FLAGS.format == "arrayrecord":
+      from dist_loop.data import shards  # pylint: disable=g-import-not-at-top
+      shards.need_array_record()
+    dataset, record = load_named()
+    manifest = shard_writer.write(dataset, FLAGS.format, FLAGS.num_shards,
+                                  FLAGS.out, FLAGS.seed, record)
+  except UserError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  train = manifest["splits"]["train"]
+  print(f"{FLAGS.out}: {train['records']} train / "
+        f"{manifest['splits']['eval']['records']} eval records in "
+        f"{len(train['files'])} {FLAGS.format} shards")
+  return 0
+
+
+if __name__ == "__main__":
+  app.run(main)
