@@ -160,11 +160,10 @@ def test_a_compressor_that_cannot_take_buckets_says_so(small_config,
     configure.validate(small_config(
         num_devices=2, allreduce_compression=compression,
         allreduce_bucket_mb=1.0), Cluster())
-  # Built past the check, tiny buckets change nothing: each of its calls
-  # (PowerSGD's: several tensors, well above a tiny bucket together) is one
-  # collective of all it hands over.
-  config = small_config(num_devices=2, allreduce_compression=compression,
-                        allreduce_bucket_mb=TINY_BUCKET_MB)
+  # Its options have no bucket: each of its calls (PowerSGD's: several
+  # tensors) is one collective of all it hands over.
+  config = small_config(num_devices=2, reducer=compression)
+  assert not hasattr(config.reducer_options, "allreduce_bucket_mb")
   trainer = build_trainer(config, devices.configure(2, "cpu"),
                           load_data(config), Cluster())
   calls, graph = handed_bytes(trainer)
