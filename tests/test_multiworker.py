@@ -238,6 +238,14 @@ def test_thread_flags_work_with_multi_worker_runs(story):
     assert _progress(story["cluster"].log(worker)) >= 2
 
 
+def test_each_workers_start_line_names_the_cluster(story):
+  """Not "sync on 1 device": the run's workers, then this process's own."""
+  for worker in (0, 1):
+    log = story["cluster"].log(worker)
+    assert (f"sync on 2 workers, this one worker:{worker} on 1 device"
+            in log), log[-3000:]
+
+
 def test_a_rerun_resumes_both_workers_and_only_the_chief_writes(story):
   workdir, saved = story["workdir"], story["saved"]
   for log in story["killed_logs"]:  # From the preempted run's checkpoint.
