@@ -1,15 +1,16 @@
 """Building a valid `Config`: the checks that need the registries.
 
 `Config` (config.py) is the lowest layer and knows no registry; this module
-sits above the registries of modes, models, datasets, schedules and
-optimizers and checks names against them, then asks the chosen mode for its
-own rules.
+sits above the registries of modes, models, datasets, schedules, reducers
+and optimizers and checks names against them, then asks the chosen mode for
+its own rules.
 The flag layer and `run` both call `validate`, so a bad combination fails at
 parse time, before any work.
 
-A registered mode, model, dataset or schedule may declare `Options`, a
-dataclass of `option(...)` fields (`dist_loop/core/options.py`): its flags.
-`COMPONENTS` says which registry fills which `Config` field.
+A registered mode, model, dataset, schedule or reducer may declare
+`Options`, a dataclass of `option(...)` fields (`dist_loop/core/options.py`):
+its flags. `COMPONENTS` says which registry fills which `Config` field.
+The old names of renamed flags are translated first (`core/aliases.py`).
 """
 
 import dataclasses
@@ -17,11 +18,13 @@ import os
 from typing import Any, Dict, List, Tuple
 
 from dist_loop import data, models
+from dist_loop.core import aliases
 from dist_loop.core import options as options_lib
 from dist_loop.core.config import COMPONENT_FIELDS, Config
 from dist_loop.core.errors import UserError
 from dist_loop.core.registry import Registry
 from dist_loop.parallel import modes
+from dist_loop.parallel.reducers import REDUCERS
 from dist_loop.runtime import cluster as cluster_lib
 from dist_loop.runtime import devices
 from dist_loop.training import optim, schedules
@@ -32,6 +35,7 @@ COMPONENTS: Tuple[Tuple[str, Registry, str], ...] = (
     ("model", models.MODELS, "model_options"),
     ("dataset", data.DATASETS, "dataset_options"),
     ("lr_schedule", schedules.SCHEDULES, "schedule_options"),
+    ("reducer", REDUCERS, "reducer_options"),
 )
 
 _RUN_FIELDS = tuple(f.name for f in dataclasses.fields(Config)
@@ -58,11 +62,13 @@ def owners() -> Dict[str, List[str]]:
 def make_config(**fields: Any) -> Config:
   """A Config from flat `name=value` pairs, as flags give them.
 
-  Run-wide names go to `Config`; the options of the chosen mode, model and
-  dataset go to their options dataclasses. An unknown name, or an option of
-  a component that was not chosen, is a `UserError`. The result is not
-  validated yet (see `validate`).
+  Run-wide names go to `Config`; the options of the chosen components go
+  to their options dataclasses. An old flag name is read as its new one
+  (`aliases`). An unknown name, or an option of a component that was not
+  chosen, is a `UserError`. The result is not validated yet (see
+  `validate`).
   """
+  fields = aliases.translate(fields)
   chosen = {}
   taken = set(k for k in fields if k in _RUN_FIELDS)
   defaults = {f.name: f.default for f in dataclasses.fields(Config)}
@@ -81,8 +87,8 @@ def make_config(**fields: Any) -> Config:
         raise UserError(f"--{name} is an option of {' or '.join(who[name])}, "
                         "which this run does not use; drop it")
     raise UserError(f"unknown setting {unknown[0]!r}: not a field of Config, "
-                    "nor an option of the chosen mode, model, dataset or "
-                    "schedule")
+                    "nor an option of the chosen mode, model, dataset, "
+                    "schedule or reducer")
   return Config(**{k: v for k, v in fields.items() if k in _RUN_FIELDS},
                 **chosen)
 
@@ -116,6 +122,7 @@ def validate(config: Config, cluster: cluster_lib.Cluster) -> Config:
       raise UserError(f"--{selector}={getattr(config, selector)} takes "
                       f"options of type {cls.__name__}, got "
                       f"{type(value).__name__}")
+  _check_reducer(config, trainer_class)
   config.validate()
   devices.check_thread_variables(os.environ)
   check_fit(config.model, config.dataset)
@@ -127,6 +134,19 @@ def validate(config: Config, cluster: cluster_lib.Cluster) -> Config:
   trainer_class.check_capabilities(config)
   trainer_class.validate(config, cluster)
   return config
+
+
+def _check_reducer(config: Config, trainer_class) -> None:
+  """A mode that reduces no gradients (`takes_reducer` false) takes only
+  the default reducer, at its defaults: anything else would be ignored."""
+  if getattr(trainer_class, "takes_reducer", False):
+    return
+  default = Config(workdir=config.workdir)
+  if (config.reducer != default.reducer
+      or config.reducer_options != options_class(
+          REDUCERS, default.reducer)()):
+    raise UserError(f"--mode={config.mode} does not use a reducer; drop "
+                    f"--reducer and its options, or use --mode=sync")
 
 
 def fits(model: str, dataset: str) -> bool:

@@ -2,7 +2,9 @@
 
 Every flag is generated from a dataclass of `option(...)` fields
 (`dist_loop/core/options.py`): the run-wide flags from `dist_loop.Config`, and
-each mode's, model's and dataset's from the `Options` it declares. A flag's
+each mode's, model's, dataset's, schedule's and reducer's from the `Options`
+it declares. The old names of renamed flags (`dist_loop/core/aliases.py`)
+are defined here, for one release. A flag's
 type, default, help, bounds, choices and `--helpfull` group are what the
 field declares, so they are written once; this file does not change when a
 field or a component is added (the user's modules, `--user_modules`,
@@ -25,6 +27,7 @@ from typing import Any, Dict, Optional, Tuple
 from absl import flags
 
 from dist_loop import configure
+from dist_loop.core import aliases
 from dist_loop.core import config as config_lib
 from dist_loop.core import options as options_lib
 from dist_loop.core.errors import UserError
@@ -106,6 +109,19 @@ def _define_run_flags() -> Tuple[str, ...]:
 
 
 RUN_FLAGS: Tuple[str, ...] = _define_run_flags()
+
+# The old selectors of sync's reduction, read as `--reducer` and its options
+# (`dist_loop/core/aliases.py`); the only flags not generated from a field.
+_DEPRECATED = "deprecated, for one release"
+flags.DEFINE_string(
+    "allreduce_compression", None, "none|fp16|bf16|powersgd|topk|NAME: "
+    "the old name of --reducer=exact|cast "
+    "(with --cast_dtype)|powersgd|topk|NAME.", module_name=_DEPRECATED)
+flags.DEFINE_enum(
+    "shard", None, ["none", "optimizer", "gradients", "weights"],
+    "The old name of --reducer=zero1|zero2|"
+    "zero3 (with --zero_wire_dtype from --allreduce_compression).",
+    module_name=_DEPRECATED)
 # The option flags defined so far, by name.
 _OPTION_FLAGS: Dict[str, options_lib.Spec] = {}
 
@@ -165,6 +181,9 @@ def _values(overrides: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
             for selector, _, _ in configure.COMPONENTS}
   for name, owners in configure.owners().items():
     if name in FLAGS and (chosen & set(owners) or FLAGS[name].present):
+      fields[name] = value(name)
+  for name in aliases.OLD_SELECTORS:
+    if name in overrides or FLAGS[name].present:
       fields[name] = value(name)
   return fields
 

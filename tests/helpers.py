@@ -7,6 +7,8 @@ the fixtures and the helpers that run whole programs (`run_main`,
 `read_events`); this module holds what works on one trainer.
 """
 
+import contextlib
+import sys
 import threading
 from unittest import mock
 
@@ -67,6 +69,32 @@ def replica_copies(trainer):
   return [[t.numpy() for t in
            trainer.strategy.experimental_local_results(v.value)]
           for v in trainer.model.trainable_variables]
+
+
+@contextlib.contextmanager
+def kept_registrations(*registries):
+  """Leaves this process's components (those of `configure.COMPONENTS` and
+  `registries`), flags, modules and sys.path as they were: a user's module
+  registers for the whole process."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from experiments import flags as run_flags  # pylint: disable=g-import-not-at-top
+  registries = [r for _, r, _ in configure.COMPONENTS] + list(registries)
+  saved = ([dict(r._entries) for r in registries],  # pylint: disable=protected-access
+           set(flags.FLAGS), dict(run_flags._OPTION_FLAGS),  # pylint: disable=protected-access
+           set(sys.modules), list(sys.path))
+  try:
+    yield
+  finally:
+    for registry, entries in zip(registries, saved[0]):
+      registry._entries.clear()  # pylint: disable=protected-access
+      registry._entries.update(entries)  # pylint: disable=protected-access
+    for name in set(flags.FLAGS) - saved[1]:
+      delattr(flags.FLAGS, name)
+    run_flags._OPTION_FLAGS.clear()  # pylint: disable=protected-access
+    run_flags._OPTION_FLAGS.update(saved[2])  # pylint: disable=protected-access
+    for name in set(sys.modules) - saved[3]:
+      del sys.modules[name]
+    sys.path[:] = saved[4]
 
 
 def step_graph(trainer, examples=32):

@@ -284,9 +284,9 @@ def test_the_checkpoint_action_waits_at_the_end_and_when_stopped():
 @pytest.mark.parametrize("flags,why", [
     (["--mode=ps"], "--mode=ps keeps its variables on the parameter servers"),
     (["--mode=local_sgd"], "--mode=local_sgd checkpoints each replica's"),
-    (["--shard=optimizer"], "--shard=optimizer checkpoints optimizer slots"),
-    (["--allreduce_compression=topk"],
-     "--allreduce_compression=topk checkpoints each replica's own"),
+    (["--reducer=zero1"], "--reducer=zero1 checkpoints optimizer slots"),
+    (["--shard=optimizer"], "--reducer=zero1 checkpoints optimizer slots"),
+    (["--reducer=topk"], "--reducer=topk checkpoints each replica's own"),
 ])
 def test_state_the_background_save_cannot_copy_is_refused_in_one_line(
     tmp_path, flags, why):

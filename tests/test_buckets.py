@@ -155,16 +155,15 @@ def test_bucketed_and_resumed_equals_one_bucket_with_accumulation_and_bf16(
 @pytest.mark.parametrize("compression", ["powersgd", "topk"])
 def test_a_compressor_that_cannot_take_buckets_says_so(small_config,
                                                        compression):
-  with pytest.raises(UserError, match="--allreduce_bucket_mb=1 does not "
-                     f"apply to --allreduce_compression={compression}"):
+  with pytest.raises(UserError, match="--allreduce_bucket_mb is an option "
+                     "of --reducer=cast or --reducer=exact"):
     configure.validate(small_config(
         num_devices=2, allreduce_compression=compression,
         allreduce_bucket_mb=1.0), Cluster())
-  # Built past the check, tiny buckets change nothing: each of its calls
-  # (PowerSGD's: several tensors, well above a tiny bucket together) is one
-  # collective of all it hands over.
-  config = small_config(num_devices=2, allreduce_compression=compression,
-                        allreduce_bucket_mb=TINY_BUCKET_MB)
+  # Its options have no bucket: each of its calls (PowerSGD's: several
+  # tensors) is one collective of all it hands over.
+  config = small_config(num_devices=2, reducer=compression)
+  assert not hasattr(config.reducer_options, "allreduce_bucket_mb")
   trainer = build_trainer(config, devices.configure(2, "cpu"),
                           load_data(config), Cluster())
   calls, graph = handed_bytes(trainer)
@@ -178,7 +177,7 @@ def test_the_default_bucket_cuts_a_gradient_larger_than_it(small_config):
   bucket (4 MB) they travel in packs of at least 4 MB, the last possibly
   smaller, each gradient once."""
   trainer = _trainer(small_config, num_devices=2, model="buckets_test_deep")
-  default_mb = trainer.options.allreduce_bucket_mb
+  default_mb = trainer.config.reducer_options.allreduce_bucket_mb
   packs = _pack_bytes(_collectives(step_graph(trainer)))
   assert default_mb * MB < _weight_bytes(trainer)
   assert len(packs) >= 2 and sum(packs) == _weight_bytes(trainer)

@@ -23,7 +23,6 @@ from conftest import checkpoint_variables, max_diff, read_events
 from dist_loop import configure, train
 from dist_loop.core.errors import UserError
 from dist_loop.parallel import compression
-from dist_loop.parallel.modes.sync.options import SyncOptions
 from dist_loop.runtime import checkpoints, devices
 from dist_loop.runtime import strategy as strategy_lib
 from dist_loop.runtime.cluster import Cluster
@@ -102,13 +101,15 @@ def test_lossy_top_k_differs_from_exact(small_config, exact):
 
 def test_the_extension_compressor_trains_alike_on_any_replica_count(
     small_config, exact):
-  """experiments/extensions/randomk.py: one class, one registration."""
+  """experiments/extensions/randomk.py: one class, one registration, and
+  its own option, `--randomk_fraction`."""
   from experiments.extensions import randomk  # pylint: disable=g-import-not-at-top
   assert compression.COMPRESSORS.get("randomk") is randomk.RandomK
-  one, _ = _train(small_config(num_devices=1, allreduce_compression="randomk"))
-  two, summary = _train(small_config(num_devices=2,
-                                     allreduce_compression="randomk"),
-                        measure=True)
+  fraction = 0.1
+  one, _ = _train(small_config(num_devices=1, reducer="randomk",
+                               randomk_fraction=fraction))
+  two, summary = _train(small_config(num_devices=2, reducer="randomk",
+                                     randomk_fraction=fraction), measure=True)
   assert max_diff(one, two) <= 1e-5
   assert max_diff(two, exact["float32"]) > 1e-3
   assert summary["allreduce_bytes_per_step"] == summary["handed"]
@@ -150,14 +151,16 @@ def _random(shapes, seed):
 
 
 @pytest.mark.parametrize("flags", [
-    dict(allreduce_compression="powersgd", powersgd_rank=2),
-    dict(allreduce_compression="topk", topk_fraction=0.05),
+    dict(powersgd_rank=2),
+    dict(topk_fraction=0.05),
 ])
 def test_error_feedback_sends_gradient_plus_residual(flags):
-  options = SyncOptions(**flags)
+  kind = (compression.powersgd.PowerSGD if "powersgd_rank" in flags
+          else compression.topk.TopK)
   shapes = [(64, 32), (32,)]  # A matrix and a vector (sent exactly).
   compressor = compression.make(
-      options, [tf.TensorSpec(s, tf.float32) for s in shapes])
+      kind, kind.Options(**flags),
+      [tf.TensorSpec(s, tf.float32) for s in shapes])
   grads = _random(shapes, 1)
   residuals = [[0.1 * e for e in r[:1]] for r in _random(shapes, 2)]
   for call in _reduce_twice(compressor, grads, residuals):
@@ -184,8 +187,9 @@ def test_error_feedback_sends_gradient_plus_residual(flags):
 
 
 def test_powersgd_keeps_q_from_step_to_step():
-  options = SyncOptions(allreduce_compression="powersgd", powersgd_rank=2)
-  compressor = compression.make(options, [tf.TensorSpec((64, 32))])
+  kind = compression.powersgd.PowerSGD
+  compressor = compression.make(kind, kind.Options(powersgd_rank=2),
+                                [tf.TensorSpec((64, 32))])
   grads = _random([(64, 32)], 3)
   zero = [[np.zeros((64, 32), np.float32)]] * 2
   first, second = _reduce_twice(compressor, grads, zero)
@@ -238,7 +242,7 @@ def test_warm_up_is_exact_then_a_resume_equals_the_uninterrupted_run(
 
 @pytest.mark.parametrize("flags, ratio", [
     (dict(), 1.0), (dict(allreduce_compression="bf16"), 0.5),
-    (dict(allreduce_compression="fp16", num_devices=4), 0.5)])
+    (dict(reducer="cast", cast_dtype="fp16", num_devices=4), 0.5)])
 def test_a_cast_hands_over_every_weight_at_its_wire_dtype(small_config, exact,
                                                           flags, ratio):
   """float32: 4 bytes per parameter of the model, all in the step's
@@ -259,14 +263,17 @@ def test_a_cast_hands_over_every_weight_at_its_wire_dtype(small_config, exact,
     (dict(allreduce_compression="powersgd", powersgd_rank=0),
      "--powersgd_rank must be >= 1, got 0"),
     (dict(powersgd_rank=8),
-     "--powersgd_rank=8 is an option of --allreduce_compression=powersgd"),
+     "--powersgd_rank is an option of --reducer=powersgd, which this run "
+     "does not use; drop it"),
     (dict(allreduce_compression="topk", powersgd_start_step=5),
-     "drop --powersgd_start_step, or use --allreduce_compression=powersgd"),
-    (dict(allreduce_compression="topk", topk_fraction=0.0),
-     r"--topk_fraction must be in \(0, 1\], got 0"),
+     "--powersgd_start_step is an option of --reducer=powersgd"),
+    (dict(reducer="topk", topk_fraction=0.0),
+     "--topk_fraction must be > 0, got 0.0"),
     (dict(allreduce_compression="int4"),
-     "unknown --allreduce_compression='int4'; choose one of: bf16, fp16, "
-     "none, powersgd"),
+     "unknown --reducer='int4'; registered reducers: cast, exact, powersgd"),
+    (dict(reducer="cast", allreduce_compression="powersgd"),
+     "--reducer=cast and --allreduce_compression=powersgd --shard=none "
+     "disagree"),
 ])
 def test_bad_combinations_are_one_line_errors(small_config, flags, message):
   with pytest.raises(UserError, match=message) as error:
@@ -274,7 +281,13 @@ def test_bad_combinations_are_one_line_errors(small_config, flags, message):
   assert "\n" not in str(error.value)
 
 
-def test_an_option_of_another_compressor_at_its_default_is_accepted(
+def test_an_old_flags_txt_with_every_compressor_option_is_accepted(
     small_config):
-  configure.validate(small_config(powersgd_rank=4, topk_fraction=0.01),
-                     Cluster())
+  """Before `--reducer`, flags.txt held every compressor's option at its
+  default; with the old selector they are read as the reducer's."""
+  config = configure.validate(small_config(
+      allreduce_compression="none", shard="none", powersgd_rank=4,
+      powersgd_start_step=0, topk_fraction=0.01, allreduce_bucket_mb=4.0),
+                              Cluster())
+  assert (config.reducer, config.reducer_options) == (
+      "exact", compression.BucketOptions())

@@ -69,7 +69,7 @@ def test_every_run_wide_field_is_declared_as_a_flag():
   for spec in specs:
     assert spec.help and spec.group, spec.name
   assert options_lib.layout_fields(Config(workdir="w")) == (
-      "dataset", "model", "num_devices", "global_batch_size",
+      "dataset", "model", "reducer", "num_devices", "global_batch_size",
       "grad_accum_steps")
   workdir = specs[0]
   assert (workdir.name, workdir.type, workdir.default) == ("workdir", str,

@@ -243,10 +243,13 @@ def test_the_layer_checker_catches_an_upward_import(monkeypatch):
 def test_config_imports_nothing_above_it():
   graph = _graph(edges())
   direct = {b for _, _, b in graph.get("dist_loop.core.config", ())}
-  assert direct <= {"dist_loop.core.errors", "dist_loop.core.options"}, direct
+  # aliases: the renamed flags, names and values only.
+  assert direct <= {"dist_loop.core.errors", "dist_loop.core.options",
+                    "dist_loop.core.aliases"}, direct
   # Nor through them.
   assert _closure(graph, "dist_loop.core.config") <= {
-      "dist_loop.core.errors", "dist_loop.core.options"}
+      "dist_loop.core.errors", "dist_loop.core.options",
+      "dist_loop.core.aliases"}
 
 
 def test_config_reads_no_environment():

@@ -105,18 +105,18 @@ def _trained(config):
                              1).save(checkpoint_number=HALF)
   trainer.train(HALF)
   out = dict(variables=variables(trainer), workdir=config.workdir)
-  if trainer.options.shard != "none":  # An unsharded run is a reference.
+  if trainer.reduction.stage != "none":  # An unsharded run: a reference.
     # What a rollback does: restore mid-run, then train on.
     tf.train.Checkpoint(**trainer.checkpoint_items()).read(
         path).assert_existing_objects_matched()
     trainer.on_restore()
     trainer.train(HALF)
     out["rolled_back"] = variables(trainer)
-  optimizer = (trainer.optimizer if trainer.options.shard == "none"
+  optimizer = (trainer.optimizer if trainer.reduction.stage == "none"
                else trainer.reduction.sharding.state.optimizer)
   out["optimizer"] = (type(optimizer).__name__,
                       float(getattr(optimizer, "weight_decay", 0) or 0))
-  if trainer.options.shard != "none" and trainer.loss_scale is not None:
+  if trainer.reduction.stage != "none" and trainer.loss_scale is not None:
     out["overflow"] = _overflow(trainer)
   trainer.close()
   return out
@@ -296,7 +296,7 @@ def test_stage_three_refuses_non_trainable_state(small_config):
             keras.layers.Dense(num_classes)])
   config = small_config(num_devices=2, shard="weights",
                         model="sharded_test_bn")
-  with pytest.raises(UserError, match="non-trainable state.*--shard=gradients"):
+  with pytest.raises(UserError, match="non-trainable state.*--reducer=zero2"):
     make_trainer(config)
 
 

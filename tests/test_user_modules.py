@@ -14,16 +14,13 @@ experiments/extensions load the same way (their flagfiles name them).
 import ast
 import glob
 import os
-import sys
 
 import pytest
 import tensorflow as tf
-from absl import flags
 
 from conftest import run_main, run_train
-from dist_loop import configure
+from helpers import kept_registrations
 from experiments import flagfiles
-from experiments import flags as run_flags
 from experiments import train as entry
 
 MODULE = '''
@@ -59,23 +56,9 @@ SHORT_RUN = ["--dataset=synthetic", "--train_steps=2", "--steps_per_loop=2",
 
 @pytest.fixture(name="registrations")
 def _registrations():
-  """Leaves this process's components, flags, modules and sys.path as they
-  were: a user's module registers for the whole process."""
-  registries = [registry for _, registry, _ in configure.COMPONENTS]
-  saved = ([dict(r._entries) for r in registries],  # pylint: disable=protected-access
-           set(flags.FLAGS), dict(run_flags._OPTION_FLAGS),  # pylint: disable=protected-access
-           set(sys.modules), list(sys.path))
-  yield
-  for registry, entries in zip(registries, saved[0]):
-    registry._entries.clear()  # pylint: disable=protected-access
-    registry._entries.update(entries)  # pylint: disable=protected-access
-  for name in set(flags.FLAGS) - saved[1]:
-    delattr(flags.FLAGS, name)
-  run_flags._OPTION_FLAGS.clear()  # pylint: disable=protected-access
-  run_flags._OPTION_FLAGS.update(saved[2])  # pylint: disable=protected-access
-  for name in set(sys.modules) - saved[3]:
-    del sys.modules[name]
-  sys.path[:] = saved[4]
+  """What a user's module registers is undone after the test."""
+  with kept_registrations():
+    yield
 
 
 def _write(directory, name, text):

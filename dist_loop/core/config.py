@@ -1,7 +1,8 @@
 """The typed, frozen run configuration that the library receives.
 
-`Config` holds the run-wide fields; the chosen mode's, model's and dataset's
-own settings travel in `mode_options`, `model_options` and `dataset_options`,
+`Config` holds the run-wide fields; the chosen mode's, model's, dataset's,
+schedule's and reducer's own settings travel in `mode_options`,
+`model_options`, `dataset_options`, `schedule_options` and `reducer_options`,
 instances of the options dataclasses they declare (`dist_loop/core/options.py`).
 Each run-wide field is an `option(...)`: its help text, bounds, choices and
 `--helpfull` group are declared here, next to the field, and the flag layer
@@ -14,8 +15,9 @@ do.
 """
 
 import dataclasses
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from dist_loop.core import aliases
 from dist_loop.core import options as options_lib
 from dist_loop.core.errors import UserError
 from dist_loop.core.options import REQUIRED, option
@@ -24,7 +26,11 @@ DEVICE_TYPES = ("auto", "cpu", "gpu")
 PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
 NONFINITE_POLICIES = ("raise", "skip", "rollback")
 COMPONENT_FIELDS = ("mode_options", "model_options", "dataset_options",
-                    "schedule_options")
+                    "schedule_options", "reducer_options")
+# {layout field whose value is a registered name: name -> key}. Names with
+# one key hold the same checkpoint (two stateless reducers); a registry
+# above fills it in (`dist_loop/parallel/reducers`). Without: the name.
+LAYOUT_KEYS: Dict[str, Callable[[str], str]] = {}
 
 # Upper bounds. Above each, a value is a typo that would crash the process
 # (or exhaust its memory) instead of failing with a message.
@@ -75,6 +81,10 @@ class Config:
       "the Keras cache.", group=_DATA)
   model: str = option("cnn", "Registered model.", group=_DATA, layout=True)
   mode: str = option("sync", "Parallel mode.", group=_RUN)
+  reducer: str = option(
+      "exact", "How --mode=sync reduces gradients: a registered reducer "
+      "(dist_loop/parallel/reducers), its options listed under its name.",
+      group=_RUN, layout=True)
   num_devices: int = option(
       1, "Devices: logical CPU devices on a CPU-only machine, else the first "
       "N GPUs.", lower=1, group=_DEVICES, layout=True)
@@ -195,14 +205,16 @@ class Config:
       300.0, "Multi-process runs: joining the cluster fails if a peer task "
       "has not come up after this long.", lower=0.001, upper=MAX_TIMEOUT_S,
       group=_CLUSTER)
-  # The options dataclasses of the chosen mode, model, dataset and
-  # learning-rate schedule (a registered component may declare `Options`);
+  # The options dataclasses of the chosen mode, model, dataset,
+  # learning-rate schedule and reducer (a registered component may declare
+  # `Options`);
   # None means no options or their defaults (`dist_loop.configure.validate`
   # fills them in).
   mode_options: Any = None
   model_options: Any = None
   dataset_options: Any = None
   schedule_options: Any = None
+  reducer_options: Any = None
 
   def validate(self) -> "Config":
     """Checks the run-wide rules: each field's declared bounds and choices,
@@ -238,7 +250,7 @@ class Config:
 
   def component_options(self) -> Tuple[Any, ...]:
     return (self.mode_options, self.model_options, self.dataset_options,
-            self.schedule_options)
+            self.schedule_options, self.reducer_options)
 
   @property
   def profile_range(self) -> Optional[Tuple[int, int]]:
@@ -278,20 +290,24 @@ class Config:
     """`--name: old -> new` for each layout field that differs from a
     previous run's flags.txt. Fields one side does not mention (an option
     of another mode) are not compared: checkpoints do not depend on the
-    mode."""
-    old = parse_flagfile(previous_flagfile)
+    mode. A registered name is compared by its `LAYOUT_KEYS` key."""
+    old = _previous(previous_flagfile)
     new = parse_flagfile(self.to_flagfile())
     fields = options_lib.layout_fields(self) + sum(
         (options_lib.layout_fields(o) for o in self.component_options()), ())
+
+    def key(name, value):
+      return LAYOUT_KEYS.get(name, lambda v: v)(value)
+
     return [f"--{k}: {old[k]} -> {new[k]}" for k in fields
-            if k in old and k in new and old[k] != new[k]]
+            if k in old and k in new and key(k, old[k]) != key(k, new[k])]
 
   def changes(self, previous_flagfile: str) -> List[str]:
     """`--name: old -> new` for every flag that differs from a previous
     run's flags.txt (the start banner's "changed since the checkpoint").
     A run-wide flag the old file lacks (one added since) counts as its
     default; a component's option only one side has is not compared."""
-    old = parse_flagfile(previous_flagfile)
+    old = _previous(previous_flagfile)
     defaults = parse_flagfile(Config(workdir=self.workdir).to_flagfile())
     out = []
     for name, value in parse_flagfile(self.to_flagfile()).items():
@@ -340,6 +356,16 @@ def parse_flagfile(text: str) -> Dict[str, str]:
           name, "True")
     values[name] = value
   return values
+
+
+def _previous(text: str) -> Dict[str, str]:
+  """A previous run's flags.txt, its renamed flags under their new names
+  (`aliases`)."""
+  values = parse_flagfile(text)
+  try:
+    return aliases.translate(values)
+  except UserError:
+    return values
 
 
 def check_divisible(global_batch: int, replicas: int) -> None:

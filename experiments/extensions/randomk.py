@@ -1,11 +1,11 @@
-"""Worked example: a new all-reduce compressor, as one file.
+"""Worked example: a new reducer, as one file.
 
 Random-k sparsification with error feedback (Stich et al., 2018, "Sparsified
-SGD with memory"). Each step, every replica sends the same random FRACTION
-of each matrix's entries: the replicas draw the positions from the run's
+SGD with memory"). Each step, every replica sends the same random fraction
+(`--randomk_fraction`) of each matrix's entries: the replicas draw the positions from the run's
 seed and the step number, so they agree on them without exchanging any
 indices, and the picked values go through one ordinary all-reduce together
-with the (exact) vectors. Top-k (`--allreduce_compression=topk`) picks each
+with the (exact) vectors. Top-k (`--reducer=topk`) picks each
 replica's largest entries instead, which must travel with their indices.
 As every replica keeps the same positions, the sum of what they send is
 what one replica would send of the summed gradients, and the sum of their
@@ -14,28 +14,41 @@ the same weights.
 What a replica did not send stays in its residual, per replica, and the
 sync trainer checkpoints it like any compressor's state.
 
-Select it with `--allreduce_compression=randomk` (the option's choices are
-the compressor registry, so registering is all it needs); see
-`randomk.flags`. A compressor reads flags of its own only through the sync
-options, so this one keeps its fraction as a constant.
+Load it with `--user_modules=experiments.extensions.randomk` and select it
+with `--reducer=randomk`: `reducers.compressed` makes the compressor a
+reducer, and its `Options` its flags (`--randomk_fraction`, listed in
+`--helpfull` under `--reducer=randomk`); see `randomk.flags`.
 """
 
+import dataclasses
 import math
 
 import numpy as np
 import tensorflow as tf
 
+from dist_loop.core.options import option
+from dist_loop.parallel import reducers
 from dist_loop.parallel.compression import base
-from dist_loop.parallel.compression import COMPRESSORS, Compressor
+from dist_loop.parallel.compression import Compressor
 
-FRACTION = 0.05
 MIN_ELEMENTS = 1024  # Smaller tensors are summed exactly.
 
 
-@COMPRESSORS.register("randomk")
-class RandomK(Compressor):
-  """The same random FRACTION of each matrix on every replica."""
+@dataclasses.dataclass(frozen=True)
+class RandomKOptions:
+  """The flags of `--reducer=randomk`."""
 
+  randomk_fraction: float = option(
+      0.05, "Fraction of each matrix's entries that random-k sends (the "
+      "same positions on every replica; 1 is exact).", above=0.0,
+      upper=1.0)
+
+
+@reducers.compressed("randomk")
+class RandomK(Compressor):
+  """The same random fraction of each matrix on every replica."""
+
+  Options = RandomKOptions
   takes_buckets = False  # One packed vector of every gradient's sample.
 
   def __init__(self, options, variables, seed=0):
@@ -43,7 +56,8 @@ class RandomK(Compressor):
     sparse = [base.is_compressible(s, MIN_ELEMENTS) for s in self.shapes]
     self.sparse = [i for i, s in enumerate(sparse) if s]
     self.dense = [i for i, s in enumerate(sparse) if not s]
-    self.ks = [max(1, math.ceil(FRACTION * self.shapes[i].num_elements()))
+    fraction = options.randomk_fraction
+    self.ks = [max(1, math.ceil(fraction * self.shapes[i].num_elements()))
                for i in self.sparse]
 
   def initial_state(self):

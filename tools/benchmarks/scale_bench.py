@@ -293,8 +293,8 @@ def _gradient_floats(groups, model) -> int:
 
 
 def _default_bucket_mb() -> float:
-  from dist_loop.parallel.modes.sync.options import SyncOptions  # pylint: disable=g-import-not-at-top
-  return SyncOptions().allreduce_bucket_mb
+  from dist_loop.parallel.compression import BUCKET_MB  # pylint: disable=g-import-not-at-top
+  return BUCKET_MB
 
 
 def targets(rows: List[dict]) -> List[str]:

@@ -5,16 +5,17 @@ explicit all-reduce, and rebuilds from their results the SUM over replicas
 of the gradients (exactly, or an approximation of it). Adding one is one
 class and one registration:
 
-    @COMPRESSORS.register("mine")
+    @reducers.compressed("mine")
     class Mine(Compressor):
+      Options = MineOptions  # Optional: a dataclass of `option(...)` fields.
       def reduce(self, grads, state, step): ...
       def wire_bytes(self): ...
 
-`--allreduce_compression=mine` then selects it: the option's choices are
-this registry. A compressor that keeps state between steps (error-feedback
-residuals, PowerSGD's Q) returns its initial value from `initial_state`;
-the trainer keeps one copy per replica, hands the replica's own to `reduce`,
-and checkpoints every replica's (`state.py`).
+`--reducer=mine` then selects it (`dist_loop/parallel/reducers`), and its
+`Options` are its flags. A compressor that keeps state between steps
+(error-feedback residuals, PowerSGD's Q) returns its initial value from
+`initial_state`; the reducer keeps one copy per replica, hands the
+replica's own to `reduce`, and checkpoints every replica's (`state.py`).
 """
 
 import abc
@@ -24,7 +25,7 @@ from typing import Dict, List, Sequence, Tuple
 import numpy as np
 import tensorflow as tf
 
-from dist_loop.core.errors import UserError
+from dist_loop.core.options import option
 from dist_loop.core.registry import Registry
 
 COMPRESSORS: Registry = Registry("all-reduce compressor",
@@ -32,6 +33,26 @@ COMPRESSORS: Registry = Registry("all-reduce compressor",
 
 # {name: [one array or tensor per state entry]}.
 StateDict = Dict[str, List]
+
+# The default bucket. 4 MB cuts the 3-8 MB gradients of the benchmark
+# models into a few buckets; DDP's 25 MB would leave them in one. Across two
+# processes on this project's 2-core machine it measured within the spread
+# of one bucket, and 1 MB buckets (one more round trip each) slowest
+# (docs/benchmarks.md, "Scaling across processes").
+BUCKET_MB = 4.0
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketOptions:
+  """The options of a compressor, or a reducer, that sends buckets."""
+
+  allreduce_bucket_mb: float = option(
+      BUCKET_MB, "Gradients travel in buckets of at least this many MB on the "
+      "wire, last layers first, each all-reduce depending only on its own "
+      "gradients, so it may start during the rest of the backward pass (0: "
+      "one bucket, after the whole backward pass). Measured across two "
+      "one-core CPU workers: no gain over one bucket, and more exposed time "
+      "on deep_mlp (docs/communication.md).", lower=0.0, upper=4096.0)
 
 
 class Compressor(abc.ABC):
@@ -42,14 +63,15 @@ class Compressor(abc.ABC):
   collectives in the same order.
 
   Attributes:
-    options: the mode's options (`SyncOptions`), this compressor's flags
-      among them.
+    Options: the dataclass of this compressor's flags (None: it has none).
+    options: an instance of `Options` (None without one).
     shapes: the gradients' shapes, in the order `reduce` receives them.
     dtypes: the gradients' dtypes (the trainable variables').
     seed: the run's seed, for any random initial state; every replica and
       every process must start from the same.
     communication: the `CommunicationOptions` of every collective: the
-      bucket size (`--allreduce_bucket_mb`) if the compressor takes buckets.
+      bucket size (`--allreduce_bucket_mb`, else `BUCKET_MB`) if the
+      compressor takes buckets.
     exact_steps: the trainer sums steps 0 .. `exact_steps` - 1 exactly, in
       float32, and calls `reduce` from then on (PowerSGD's warm-up).
 
@@ -62,12 +84,10 @@ class Compressor(abc.ABC):
   computed (PyTorch DDP's reverse-order buckets, Horovod's tensor fusion).
   A compressor whose collectives need every gradient first (PowerSGD, top-k)
   sets `takes_buckets = False`: the bucket size does not apply to it, and
-  asking for one explicitly is refused (`check_options`).
+  its `Options` do not declare one, so asking for one is refused.
   """
 
-  # The options of `options` that belong to this compressor: another
-  # compressor's, set to a non-default value, is an error (`check_options`).
-  option_names: Tuple[str, ...] = ()
+  Options = None
   exact_steps: int = 0
   takes_buckets = True
 
@@ -76,8 +96,8 @@ class Compressor(abc.ABC):
     self.shapes = [tf.TensorShape(v.shape) for v in variables]
     self.dtypes = [tf.as_dtype(v.dtype) for v in variables]
     self.seed = seed
-    bucket = (int(options.allreduce_bucket_mb * 2**20) if self.takes_buckets
-              else 0)
+    bucket_mb = getattr(options, "allreduce_bucket_mb", BUCKET_MB)
+    bucket = int(bucket_mb * 2**20) if self.takes_buckets else 0
     self.communication = tf.distribute.experimental.CommunicationOptions(
         bytes_per_pack=bucket)
 
@@ -174,35 +194,3 @@ def unpack(vector: tf.Tensor, shapes: Sequence[tf.TensorShape]
 def nbytes(shape, dtype) -> int:
   return int(np.prod(tf.TensorShape(shape).as_list())) * tf.as_dtype(
       dtype).size
-
-
-def check_options(options) -> None:
-  """The chosen compressor's rules, and no option of another one.
-
-  An option of another compressor (say `--powersgd_rank` with
-  `--allreduce_compression=none`) at a non-default value would be silently
-  ignored, so it is refused; at its default it is accepted. So is a bucket
-  size for a compressor that cannot take buckets.
-
-  Raises:
-    UserError: naming the fix.
-  """
-  name = options.allreduce_compression
-  chosen = COMPRESSORS.get(name)
-  defaults = {f.name: f.default for f in dataclasses.fields(options)}
-  bucket_mb = options.allreduce_bucket_mb
-  if not chosen.takes_buckets and bucket_mb != defaults["allreduce_bucket_mb"]:
-    raise UserError(
-        f"--allreduce_bucket_mb={bucket_mb:g} does not apply to "
-        f"--allreduce_compression={name}: its collectives need every "
-        "gradient first, so it cannot send buckets during the backward pass; "
-        "drop --allreduce_bucket_mb, or use none, fp16 or bf16")
-  for other in COMPRESSORS.names():
-    for option in COMPRESSORS.get(other).option_names:
-      value = getattr(options, option)
-      if option not in chosen.option_names and value != defaults[option]:
-        raise UserError(
-            f"--{option}={value} is an option of --allreduce_compression="
-            f"{other}, and this run uses --allreduce_compression={name}; "
-            f"drop --{option}, or use --allreduce_compression={other}")
-  chosen.check(options)

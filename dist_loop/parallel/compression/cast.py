@@ -10,12 +10,14 @@ from typing import Optional
 
 import tensorflow as tf
 
-from dist_loop.parallel.compression.base import COMPRESSORS, Compressor, nbytes
+from dist_loop.parallel.compression.base import (BucketOptions, COMPRESSORS,
+                                                 Compressor, nbytes)
 
 
 class Cast(Compressor):
   """All gradients in one all-reduce call, in `wire` (None: as they are)."""
 
+  Options = BucketOptions
   wire: Optional[tf.DType] = None
 
   def _wire_dtype(self, dtype: tf.DType) -> tf.DType:

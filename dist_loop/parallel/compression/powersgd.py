@@ -22,21 +22,34 @@ trainer switches, see `Compressor.exact_steps`): residuals and Q start
 being used at step s.
 """
 
+import dataclasses
 from typing import List, Tuple
 
 import numpy as np
 import tensorflow as tf
 
+from dist_loop.core.options import option
 from dist_loop.parallel.compression import base
 from dist_loop.parallel.compression.base import COMPRESSORS, Compressor
+
+
+@dataclasses.dataclass(frozen=True)
+class PowerSGDOptions:
+  """The flags of `--reducer=powersgd`."""
+
+  powersgd_rank: int = option(
+      4, "Rank of PowerSGD's factors P and Q.", lower=1, layout=True)
+  powersgd_start_step: int = option(
+      0, "PowerSGD sums the steps before this one exactly (a warm-up).",
+      lower=0)
 
 
 @COMPRESSORS.register("powersgd")
 class PowerSGD(Compressor):
   """Rank-`--powersgd_rank` PowerSGD on every matrix; the rest exact."""
 
+  Options = PowerSGDOptions
   takes_buckets = False  # Its collectives need every gradient first.
-  option_names = ("powersgd_rank", "powersgd_start_step")
   # Smaller matrices gain little and would cost two more collectives.
   MIN_ELEMENTS = 1024
 

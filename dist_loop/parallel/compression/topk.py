@@ -10,31 +10,35 @@ added to its next gradient. Vectors and tiny tensors are summed exactly, in
 one packed all-reduce. With fraction 1 every entry is sent: the exact sum.
 """
 
+import dataclasses
 import math
 
 import numpy as np
 import tensorflow as tf
 
-from dist_loop.core.errors import UserError
+from dist_loop.core.options import option
 from dist_loop.parallel.compression import base
 from dist_loop.parallel.compression.base import COMPRESSORS, Compressor
 
 INDEX_DTYPE = tf.int32
 
 
+@dataclasses.dataclass(frozen=True)
+class TopKOptions:
+  """The flags of `--reducer=topk`."""
+
+  topk_fraction: float = option(
+      0.01, "Fraction of each matrix's entries that top-k sends, per "
+      "replica (1 is exact).", above=0.0, upper=1.0)
+
+
 @COMPRESSORS.register("topk")
 class TopK(Compressor):
   """The largest `--topk_fraction` of each matrix, per replica."""
 
+  Options = TopKOptions
   takes_buckets = False  # Its collectives need every gradient first.
-  option_names = ("topk_fraction",)
   MIN_ELEMENTS = 1024  # As PowerSGD's: below it, the exact sum is cheap.
-
-  @classmethod
-  def check(cls, options) -> None:
-    if not 0 < options.topk_fraction <= 1:
-      raise UserError(f"--topk_fraction must be in (0, 1], got "
-                      f"{options.topk_fraction:g}")
 
   def __init__(self, options, variables, seed=0):
     super().__init__(options, variables, seed)

@@ -1,4 +1,4 @@
-"""Sharded data parallelism in sync mode (`--shard`): ZeRO stages 1-3.
+"""Sharded data parallelism in sync mode (`--reducer=zero1|zero2|zero3`).
 
 Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion
 Parameter Models" (2019). With N replicas and Psi parameters, Adam in
@@ -35,31 +35,18 @@ from dist_loop.parallel.sharding.state import ShardedState
 from dist_loop.training import optim, replicas
 
 STAGES = ("none", "optimizer", "gradients", "weights")
+# Each stage's reducer (`dist_loop/parallel/reducers/sharded.py`).
+REDUCERS = {"optimizer": "zero1", "gradients": "zero2", "weights": "zero3"}
 
 
-def check(config, options) -> None:
-  """What `--shard` cannot be combined with. Raises UserError."""
-  if options.shard == "none":
-    return
-  if not optim.is_elementwise(config.optimizer):
+def check(stage: str, optimizer: str) -> None:
+  """What a ZeRO stage cannot be combined with. Raises UserError."""
+  if not optim.is_elementwise(optimizer):
     raise UserError(
-        f"--shard={options.shard} needs an optimizer whose update is "
-        f"element-wise, and --optimizer={config.optimizer} is not known to "
+        f"--reducer={REDUCERS[stage]} needs an optimizer whose update is "
+        f"element-wise, and --optimizer={optimizer} is not known to "
         f"be; use one of {', '.join(optim.elementwise_names())}, or "
-        "--shard=none")
-  if not _cast(options.allreduce_compression):
-    raise UserError(
-        f"--shard={options.shard} cannot be combined with "
-        f"--allreduce_compression={options.allreduce_compression}: its "
-        "reduction is not a sum that can be cut into shards; use none, fp16 "
-        "or bf16, or --shard=none")
-
-
-def _cast(name: str) -> bool:
-  """Whether a compressor is a plain (maybe cast) sum: a sharded step
-  slices its result."""
-  from dist_loop.parallel.compression import COMPRESSORS, cast  # pylint: disable=g-import-not-at-top
-  return issubclass(COMPRESSORS.get(name), cast.Cast)
+        "--reducer=exact")
 
 
 class Sharding:
@@ -80,10 +67,10 @@ class Sharding:
                weight_decay: float = -1.0):
     if stage == "weights" and model.non_trainable_variables:
       raise UserError(
-          f"--shard=weights runs the model on gathered weights, and the "
+          f"--reducer=zero3 runs the model on gathered weights, and the "
           f"model has non-trainable state "
           f"({model.non_trainable_variables[0].path}, ...) that would not "
-          "follow; use --shard=gradients")
+          "follow; use --reducer=zero2")
     self.stage = stage
     self.strategy = strategy
     self.model = model

@@ -4,11 +4,11 @@ Each replica differentiates its share of the step's mean loss (the step
 core, `dist_loop/training/step.py`: a replica's `grad_accum_steps` micro-batches
 are `replicas x grad_accum_steps` contributors), so that the SUM over replicas
 of its gradients is the gradient of the global-batch mean. The step has one
-path: the gradients go to the run's reduction (`reduction.py`: replicated,
-or sharded by a ZeRO stage), which all-reduces them exactly once, in
-replica context, with the run's compressor (`--allreduce_compression`,
-`dist_loop/parallel/compression`) and applies them with `optim.apply_reduced`,
-which does not reduce again. The loop around the step, its input and its
+path: the gradients go to the run's reducer (`--reducer`,
+`dist_loop/parallel/reducers`: replicated with a compressor, or sharded by
+a ZeRO stage), which all-reduces them exactly once, in replica context, and
+applies them with `optim.apply_reduced`, which does not reduce again. The
+reducer owns its state, checkpoint entries and byte/memory report. The loop around the step, its input and its
 metrics are the loop base's (`modes/loop.py`). A compressor's warm-up
 (`exact_steps`) is its own traced loop (`loop_begin`): the steps before it
 sum the gradients exactly.
@@ -24,9 +24,9 @@ from dist_loop.parallel import straggler as straggler_lib
 from dist_loop.parallel.modes.base import MODES, Report, Reporting
 from dist_loop.parallel.modes.loop import LoopTrainer, StepResult
 from dist_loop.parallel.modes.mirrored import Mirrored
-from dist_loop.parallel.modes.sync import reduction
 from dist_loop.parallel.modes.sync.options import SyncOptions
-from dist_loop.parallel.sharding import zero
+from dist_loop.parallel.reducers import REDUCERS
+from dist_loop.runtime import user_code
 from dist_loop.training import precision as precision_lib
 from dist_loop.training import step as step_core
 
@@ -38,6 +38,7 @@ class SyncTrainer(Mirrored, LoopTrainer, Reporting):
   """`strategy.run(replica_step)` inside the loop base's traced loop."""
 
   Options = SyncOptions
+  takes_reducer = True
   precisions = precision_lib.PRECISIONS
   grad_accumulation = True
   skips_nonfinite = True
@@ -48,21 +49,12 @@ class SyncTrainer(Mirrored, LoopTrainer, Reporting):
     super().validate(config, cluster)
     straggler_lib.check(config.mode_options.straggler,
                         cls.num_replicas(config, cluster), "replicas")
-    compression.check_options(config.mode_options)
-    zero.check(config, config.mode_options)
+    REDUCERS.get(config.reducer).check(config)
 
   @classmethod
   def async_checkpoint_refusal(cls, config):
-    options = config.mode_options
-    if options.shard != "none":
-      return (f"--shard={options.shard} checkpoints optimizer slots gathered "
-              "from their shards, which the background save cannot copy "
-              "(it can with --shard=none)")
-    if compression.has_state(options):
-      return (f"--allreduce_compression={options.allreduce_compression} "
-              "checkpoints each replica's own compressor state, which the "
-              "background save cannot copy")
-    return None
+    return REDUCERS.get(config.reducer).async_checkpoint_refusal(
+        config.reducer, config.reducer_options)
 
   def __init__(self, config, devices, dataset, cluster):
     super().__init__(config, devices, dataset, cluster)
@@ -71,19 +63,22 @@ class SyncTrainer(Mirrored, LoopTrainer, Reporting):
     # Every micro-batch of every replica is one share of the step.
     self.contributors = (self.strategy.num_replicas_in_sync
                          * config.grad_accum_steps)
-    kind = reduction.kind(self.options)
-    if kind.host_model(self.options):
+    kind = REDUCERS.get(config.reducer)
+    host_model = kind.host_model(config.reducer_options)
+    if host_model:
       with tf.device("CPU:0"):
         self.model = models.build_for(config, dataset)
     with self.strategy.scope():
-      if not kind.host_model(self.options):
+      if not host_model:
         self.model = models.build_for(config, dataset)
       self.loss_scale = precision_lib.make_loss_scale(config.precision)
       self.step = tf.Variable(
           0, dtype=tf.int64, trainable=False, name="step",
           aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
-    self.reduction = kind(self.options, config, self.strategy, self.model,
-                          self.loss_scale, self.recipe)
+    self.reduction = kind(config.reducer_options, config, self.strategy,
+                          self.model, self.loss_scale, self.recipe)
+    for method in ("weights", "apply"):  # A user's reducer: AutoGraph.
+      user_code.convert_method(self.reduction, method)
     self.optimizer = self.reduction.optimizer
     self.float32_bytes = compression.wire.float32_bytes_per_step(
         self.model.trainable_variables)
@@ -145,7 +140,8 @@ class SyncTrainer(Mirrored, LoopTrainer, Reporting):
     per_step = total / step if step else wire.handed
     out = compression.wire.summary(per_step, total, self.float32_bytes)
     out["allreduce_ring_bytes_per_step"] = wire.ring
-    out["shard"] = self.options.shard
+    out["reducer"] = self.config.reducer
+    out["shard"] = self.reduction.stage
     out.update({k.replace("/", "_"): v for k, v in self.memory().items()})
     return out
 

@@ -1,25 +1,14 @@
-"""How a sync step's gradients become its update: one object per run.
+"""A reducer that keeps the whole model and optimizer on every replica.
 
-`SyncTrainer` holds one path: its step computes each replica's gradients
-through the step core and hands them to the run's `Reduction`, which
-reduces them with the run's compressor (`--allreduce_compression`),
-applies them, and returns whether it did and the norm of what it applied
-(the same on every replica). Two reductions:
-
-* `Replicated` (`--shard=none`): every replica holds the whole model and
-  optimizer. A compressor with state (error feedback) keeps it per replica
-  and writes it only when the step is applied; it is the checkpoint's
-  `compression` entry, so without one the checkpoint holds what it always
-  did. Such a compressor gets unscaled gradients (a residual outlives the
-  loss scale it was computed under).
-* `Sharded` (`--shard=optimizer|gradients|weights`): ZeRO's stages
-  (`dist_loop/parallel/sharding/zero.py`), whose compressor is a (maybe cast)
-  sum that the stage slices.
-
-Each owns what it adds to the checkpoint, its work around an inner loop,
-and its bytes and memory (`sharding/accounting.py`). A compressor's warm-up
-(`exact_steps`) runs the exact sum (`exact=True`), which neither reads nor
-moves the compressor's state.
+`Replicated` reduces with one compressor (`dist_loop/parallel/compression`):
+`--reducer=exact` (the plain all-reduce), `cast` (fp16 or bf16 on the
+wire), `powersgd`, `topk`, or an extension's (`Replicated.of`). A
+compressor with state (error feedback) keeps it per replica and writes it
+only when the step is applied; it is the checkpoint's `compression` entry,
+so without one the checkpoint holds what it always did. Such a compressor
+gets unscaled gradients (a residual outlives the loss scale it was
+computed under). A compressor's warm-up (`exact_steps`) runs the exact sum
+(`exact=True`), which neither reads nor moves the compressor's state.
 """
 
 from typing import Dict, List, Optional
@@ -27,21 +16,32 @@ from typing import Dict, List, Optional
 import tensorflow as tf
 
 from dist_loop.parallel import compression
-from dist_loop.parallel.sharding import accounting, collectives, zero
+from dist_loop.parallel.sharding import accounting, collectives
 from dist_loop.training import optim
 from dist_loop.training import precision as precision_lib
 
 
 class Replicated:
-  """`--shard=none`: the whole model and optimizer on every replica.
+  """The whole model and optimizer on every replica, one compressor.
+
+  A reducer is built once per run, outside any `tf.function`; `weights` and
+  `apply` run in replica context, the rest on the host.
 
   Args:
-    options: the run's `SyncOptions`.
+    options: the reducer's `Options` (None if it has none).
     config: the run's `Config` (optimizer, learning rate, seed).
     strategy: the run's strategy.
     model: the model, its variables mirrored.
     loss_scale: the run's `DynamicLossScale`, or None.
+    recipe: the run's training recipe (rate, clipping, weight decay).
   """
+
+  Options = None
+  # The compressor (`of` sets it; `compressor_for` may choose by options).
+  compressor_class: Optional[type] = None
+  # Reducers with the same key write the same checkpoint (`REDUCERS`'s
+  # layout key); None: this reducer's name.
+  checkpoint_layout: Optional[str] = None
 
   def __init__(self, options, config, strategy, model, loss_scale, recipe):
     self.strategy, self.model, self.loss_scale = strategy, model, loss_scale
@@ -49,10 +49,42 @@ class Replicated:
     self.steps_per_loop = config.steps_per_loop
     variables = model.trainable_variables
     self.optimizer = self._make_optimizer(config)
-    self.compressor = compression.make(options, variables, config.seed)
+    self.compressor = compression.make(self.compressor_for(options), options,
+                                       variables, config.seed)
     self.exact = compression.COMPRESSORS.get("none")(options, variables)
     self.compression_state = compression.State(
         strategy, self.compressor.initial_state())
+
+  @classmethod
+  def of(cls, compressor_class) -> type:
+    """The replicated reducer of `compressor_class`, with its `Options`."""
+    return type(compressor_class.__name__ + "Reducer", (cls,), {
+        "Options": getattr(compressor_class, "Options", None),
+        "compressor_class": compressor_class,
+        "__doc__": compressor_class.__doc__})
+
+  @classmethod
+  def async_checkpoint_refusal(cls, name: str, options) -> Optional[str]:
+    """Why `--async_checkpoint` cannot save this reducer's state (None: it
+    can). TensorFlow's background save copies mirrored variables; a
+    compressor's per-replica state (error feedback, PowerSGD's Q) it
+    cannot."""
+    compressor = cls.compressor_for(options)
+    if compressor.initial_state is compression.Compressor.initial_state:
+      return None
+    return (f"--reducer={name} checkpoints each replica's own compressor "
+            "state, which the background save cannot copy")
+
+  @classmethod
+  def compressor_for(cls, options) -> type:
+    """The compressor class these options ask for."""
+    del options
+    return cls.compressor_class
+
+  @classmethod
+  def check(cls, config) -> None:
+    """The rules of this reducer's options. Raises UserError."""
+    cls.compressor_for(config.reducer_options).check(config.reducer_options)
 
   @staticmethod
   def host_model(options) -> bool:
@@ -110,6 +142,7 @@ class Replicated:
 
   @property
   def stage(self) -> str:
+    """The ZeRO stage: none, optimizer, gradients or weights."""
     return "none"
 
   def wire(self, step: int) -> collectives.WireBytes:
@@ -128,66 +161,3 @@ class Replicated:
     return accounting.memory(  # Keras: iterations, learning rate, slots.
         "none", self.strategy.num_replicas_in_sync,
         self.model.trainable_variables, self.optimizer.variables[2:])
-
-
-class Sharded(Replicated):
-  """`--shard=optimizer|gradients|weights`: ZeRO stages 1-3."""
-
-  def __init__(self, options, config, strategy, model, loss_scale, recipe):
-    self.sharding = zero.Sharding(
-        options.shard, strategy, model, config.optimizer,
-        config.learning_rate, options.allreduce_bucket_mb,
-        config.weight_decay)
-    super().__init__(options, config, strategy, model, loss_scale, recipe)
-
-  @staticmethod
-  def host_model(options) -> bool:
-    """Stage 3 keeps no full weights on the devices: the model is a host
-    copy for evaluation and checkpoints (`sharding/zero.py`)."""
-    return options.shard == "weights"
-
-  def _make_optimizer(self, config):
-    del config
-    return self.sharding.optimizer
-
-  @property
-  def stage(self) -> str:
-    return self.sharding.stage
-
-  def loop_begin(self) -> None:
-    super().loop_begin()
-    self.sharding.before_train()
-
-  def loop_end(self) -> None:
-    self.sharding.refresh()  # Evaluation and checkpoints read it.
-
-  def on_restore(self) -> None:
-    self.sharding.on_restore()
-
-  def weights(self):
-    return self.sharding.weights()
-
-  def apply(self, grads, scale, step, exact: bool):
-    compressor = self.exact if exact else self.compressor
-    return self.sharding.apply(
-        grads, lambda g: compressor.reduce(g, {}, step)[0], self.loss_scale,
-        scale, self.recipe, step)
-
-  def wire(self, step: int) -> collectives.WireBytes:
-    return accounting.wire(
-        self.strategy.num_replicas_in_sync,
-        self.compressor.bytes_at(max(step - 1, 0)), self.stage,
-        accounting.variable_bytes(self.sharding.state.shards),
-        self.steps_per_loop)
-
-  def memory(self) -> Dict[str, float]:
-    state = self.sharding.state
-    return accounting.memory(
-        self.stage, self.strategy.num_replicas_in_sync,
-        self.model.trainable_variables, state.slots, state.shards,
-        state.layout.padding)
-
-
-def kind(options):
-  """The reduction class `--shard` selects."""
-  return Replicated if options.shard == "none" else Sharded
