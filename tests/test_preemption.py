@@ -179,7 +179,8 @@ def test_the_agreement_sums_a_flag_over_every_replica():
 def test_ctrl_c_at_start_up_is_one_clean_sigint(small_config, monkeypatch):
   from dist_loop import data, train  # pylint: disable=g-import-not-at-top
 
-  def interrupted(config):
+  def interrupted(config, image_size):
+    del config, image_size
     raise KeyboardInterrupt
 
   monkeypatch.setattr(data, "load", interrupted)
