@@ -199,7 +199,6 @@ def _inputs(config, trainer, dataset, checkpointer, summaries, summary_path,
     summary_parts = [*summary_parts, trainer.summary]
   summary_parts = [*summary_parts, lambda: {  # data/bad_records: bad_records
       k.split("/")[-1]: v for k, v in data.input_metrics(dataset).items()}]
-  optimizer = trainer.optimizer
   return actions.Inputs(
       summaries=summaries,
       evaluator=Evaluator(trainer.model, dataset, config.eval_batch_size,

@@ -9,7 +9,7 @@ from absl import flags
 from absl.testing import flagsaver
 
 from conftest import max_diff
-from dist_loop import UserError, make_config
+from dist_loop import make_config
 from dist_loop.models import MODELS
 from dist_loop.parallel.modes import MODES
 from dist_loop.parallel.modes.asynchronous import policies

@@ -38,7 +38,7 @@ import pytest
 from absl import flags
 from absl.testing import flagsaver
 
-from conftest import REPO, run_main, run_train
+from conftest import run_main, run_train
 from dist_loop import configure, data, models
 from dist_loop.core import config as config_lib
 from dist_loop.core import options as options_lib

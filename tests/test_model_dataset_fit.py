@@ -9,7 +9,7 @@ import pytest
 from dist_loop import configure, data, models
 from dist_loop.core.errors import UserError
 from dist_loop.data import shard_writer
-from experiments import extensions  # noqa: F401  (registers residual_cnn)
+from experiments.extensions import residual_cnn  # noqa: F401  (registers it)
 from tests.conftest import run_main
 
 SEQ_LEN = 8

@@ -29,7 +29,6 @@ from dist_loop.core.errors import UserError
 from dist_loop.parallel import staleness
 from dist_loop.parallel.modes.ps import counter, server, stats, trainer, update
 from dist_loop.parallel.modes.ps import PSTrainer
-from dist_loop.runtime import checkpoints
 from dist_loop.runtime.cluster import Cluster, ClusterError
 from dist_loop.runtime.summaries import LOGDIR
 from dist_loop.training import optim

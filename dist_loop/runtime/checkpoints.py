@@ -366,23 +366,3 @@ def _indexed(directory: str) -> Optional[str]:
     return tf.train.latest_checkpoint(directory)
   except ValueError:  # Empty, or not text (UnicodeDecodeError).
     return None
-
-
-def load_model(config, path: Optional[str] = None):
-  """The run's model with the variables of its latest checkpoint (or `path`).
-
-  For evaluation, fine-tuning and tests: no strategy, no optimizer, float32.
-
-  Raises:
-    FileNotFoundError: the workdir holds no checkpoint.
-  """
-  dataset = data.load(config, models.image_size_for(config.model))
-  model = models.build(config.model, dataset.input_shape,
-                       dataset.num_classes, options=config.model_options)
-  directory = os.path.join(config.workdir, CHECKPOINT_DIR)
-  path = path or _indexed(directory) or (scan_checkpoints(directory)
-                                          or [None])[-1]
-  if path is None:
-    raise FileNotFoundError(f"no checkpoint in {config.workdir}")
-  tf.train.Checkpoint(model=model).restore(path).expect_partial()
-  return model

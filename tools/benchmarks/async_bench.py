@@ -28,7 +28,6 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # pylint: disable=g-import-not-at-top
 
-from dist_loop import data  # pylint: disable=g-import-not-at-top
 from dist_loop.parallel.modes import Reporting  # pylint: disable=g-import-not-at-top
 from dist_loop.runtime import devices  # pylint: disable=g-import-not-at-top
 from tools.benchmarks import common  # pylint: disable=g-import-not-at-top

@@ -61,7 +61,7 @@ converted (`user_code.py` says why).
 import abc
 import dataclasses
 import time
-from typing import Dict, Hashable, List, Optional, Tuple
+from typing import Any, Dict, Hashable, List, Optional, Tuple
 
 import numpy as np
 import tensorflow as tf

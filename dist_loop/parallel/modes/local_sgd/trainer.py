@@ -58,7 +58,6 @@ from dist_loop.parallel.modes.local_sgd import outer
 from dist_loop.parallel.modes.local_sgd.options import LocalSGDOptions
 from dist_loop.parallel.modes.loop import LoopTrainer, StepResult
 from dist_loop.parallel.modes.mirrored import Mirrored
-from dist_loop.runtime import strategy as strategy_lib
 from dist_loop.training import optim, replicas
 from dist_loop.training import step as step_core
 
