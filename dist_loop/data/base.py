@@ -24,8 +24,13 @@ with the wrong shapes, labels out of range or no examples stops the run with
 one line naming the file, instead of failing mid-training or, worse,
 "training" on garbage. A loader checks only what its own format needs to be
 converted (mnist: images of rank 3); the rules every dataset shares are here.
+
+A dataset too large for memory holds `InputColumn`s in place of its arrays
+(`data/shards.py`): each builds its own input, and `data/stream.py` hands
+the building to it.
 """
 
+import abc
 import dataclasses
 from typing import NamedTuple, Optional, Tuple
 
@@ -59,6 +64,27 @@ class Dataset:
   @property
   def input_shape(self) -> Tuple[int, ...]:
     return tuple(self.train_x.shape[1:])
+
+
+class InputColumn(abc.ABC):
+  """A column of a `Dataset` that stands in for an array and builds its own
+  tf.data input (`data/shards.py`: examples in files).
+
+  It has an array's `shape`, `dtype` and length. `data/stream.py`'s input
+  functions pass a column of this type its batch, seed and position, and
+  take what it builds; anything else is an array they read themselves.
+  `check` leaves it to its loader.
+  """
+
+  @abc.abstractmethod
+  def train_dataset_fn(self, global_batch_size: int, seed: int,
+                       start_step: int):
+    """`dataset_fn(input_context)` of the training split from step
+    `start_step` (the rules of `stream.train_dataset_fn`)."""
+
+  @abc.abstractmethod
+  def eval_dataset(self, batch_size: int):
+    """The held-out split, in order, last partial batch kept."""
 
 
 DATASETS: Registry = Registry("dataset", "dataset")
@@ -150,7 +176,7 @@ def check(dataset: Dataset, name: str) -> None:
     where, fix = dataset.source, "replace the file with a valid one"
   else:
     where, fix = f"the loader of --dataset={name}", "fix that loader"
-  if hasattr(dataset.train_x, "train_dataset_fn"):
+  if isinstance(dataset.train_x, InputColumn):
     return  # Examples in files: checked against their manifest on loading.
   problem = _problem(dataset)
   if problem:

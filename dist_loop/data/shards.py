@@ -24,7 +24,7 @@ import numpy as np
 from dist_loop.core.errors import UserError
 from dist_loop.core.options import option
 from dist_loop.data import bad_records, shard_format, shard_stream
-from dist_loop.data.base import DATASETS, Dataset
+from dist_loop.data.base import DATASETS, Dataset, InputColumn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +51,7 @@ class ShardsOptions:
       "training (one read of the shards).")
 
 
-class Column:
+class Column(InputColumn):
   """One column (`x` or `y`) of a split of shards, in place of an array.
 
   It has the array's `shape`, `dtype`, `ndim` and length; `column[:k]`

@@ -26,6 +26,8 @@ import os
 import numpy as np
 import tensorflow as tf
 
+from dist_loop.data.base import InputColumn
+
 _EPOCHS_FOREVER = np.iinfo(np.int64).max
 # tf.data traces its functions with AutoGraph unless told not to; the
 # library's traced code is written without it (`modes/loop.py`).
@@ -95,13 +97,13 @@ def train_dataset_fn(x, y, global_batch_size: int, seed: int,
   the context names (`replica_input`; async and ps build their own context).
 
   Args:
-    x, y: the training arrays, or a dataset's file-backed columns
-      (`data/shards.py`: `x.train_dataset_fn` reads the files).
+    x, y: the training arrays, or a dataset's `InputColumn`s (whose
+      `x.train_dataset_fn` builds the input: `data/shards.py` reads files).
     global_batch_size: examples per step over all replicas.
     seed: fixes the order of every epoch.
     start_step: the first step to produce (for resuming).
   """
-  if hasattr(x, "train_dataset_fn"):
+  if isinstance(x, InputColumn):
     return x.train_dataset_fn(global_batch_size, seed, start_step)
   x_t, y_t = tf.constant(x), tf.constant(y)
 
@@ -168,9 +170,9 @@ def _host(strategy: tf.distribute.Strategy) -> str:
 
 
 def eval_dataset(x, y, batch_size: int) -> tf.data.Dataset:
-  """The held-out split, in order, last partial batch kept (`x` may be a
-  file-backed column: `x.eval_dataset` reads the files)."""
-  if hasattr(x, "eval_dataset"):
+  """The held-out split, in order, last partial batch kept (`x` may be an
+  `InputColumn`, whose `eval_dataset` builds it)."""
+  if isinstance(x, InputColumn):
     return x.eval_dataset(batch_size)
   return without_autotune(tf.data.Dataset.from_tensor_slices((x, y))
                           .batch(batch_size).prefetch(tf.data.AUTOTUNE))
