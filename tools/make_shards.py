@@ -12,6 +12,13 @@ images, by default they are kept as they are and resized when read) and
 checked by the same rules (`data.base.check`). `--dataset=npz` takes an
 .npz with x_train, y_train, x_test, y_test. Formats, the manifest and the
 guarantees: docs/data.md. Bad input is one line on stderr and exit 2.
+
+    python -m tools.make_shards --verify=/data/digits_shards
+
+checks a shards directory against its manifest, every shard's SHA-256
+included (one full read of the shards), and writes nothing: what a run
+does at every start with `--verify_checksums`, done once (after copying the
+shards, say). A mismatch is one line naming the file, and exit 2.
 """
 
 import dataclasses
@@ -40,7 +47,9 @@ flags.DEFINE_integer("image_size", None, "Resize images to this side "
                      "(default: as the dataset has them).", lower_bound=1)
 flags.DEFINE_integer("seed", 0, "The dataset's split seed, and the order "
                      "of TFRecord train shards.", lower_bound=0)
-flags.mark_flags_as_required(["dataset", "out"])
+flags.DEFINE_string("verify", None, "Instead of writing shards: check the "
+                    "shards directory DIR against its manifest, every "
+                    "shard's SHA-256 included, and exit.")
 
 
 def load_named():
@@ -76,10 +85,18 @@ def main(argv):
   process_exit.skip_final_gc()
   console.start(0)
   console.setup(0)
-  from dist_loop.data import shard_writer  # pylint: disable=g-import-not-at-top
+  from dist_loop.data import shard_writer, shards  # pylint: disable=g-import-not-at-top
   try:
+    if FLAGS.verify:
+      if FLAGS.dataset or FLAGS.out:
+        raise UserError("--verify checks a shards directory and writes "
+                        "nothing; drop --dataset and --out, or --verify")
+      print(shards.verify(FLAGS.verify))
+      return 0
+    if not (FLAGS.dataset and FLAGS.out):
+      raise UserError("give --dataset and --out to make shards, or "
+                      "--verify=DIR to check a shards directory")
     if FLAGS.format == "arrayrecord":
-      from dist_loop.data import shards  # pylint: disable=g-import-not-at-top
       shards.need_array_record()
     dataset, record = load_named()
     manifest = shard_writer.write(dataset, FLAGS.format, FLAGS.num_shards,

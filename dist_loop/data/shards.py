@@ -15,6 +15,8 @@ memory does not grow with the dataset.
 Before anything trains, the manifest and every shard are checked against
 each other (`shard_format.check_files`): a missing, unreadable, truncated
 or empty shard, or one the manifest miscounts, is one line naming it.
+Those checks read no shard's contents; the checksums, which read them all,
+are opt-in (`--verify_checksums`, or once: `tools.make_shards --verify`).
 """
 
 import dataclasses
@@ -47,8 +49,10 @@ class ShardsOptions:
       "", "A tf.data service dispatcher (grpc://HOST:PORT) whose workers "
       "parse the training input; TFRecord shards (docs/data.md).")
   verify_checksums: bool = option(
-      True, "Compare every shard's SHA-256 with the manifest before "
-      "training (one read of the shards).")
+      False, "Also compare every shard's SHA-256 with the manifest before "
+      "training: a full read of the shards at every start and resume (the "
+      "files' presence, sizes and record counts are always checked). To "
+      "verify a directory once: python -m tools.make_shards --verify=DIR.")
 
 
 class Column(InputColumn):
@@ -131,6 +135,23 @@ def load(data_dir, seed, image_size=None, options=None) -> Dataset:
       columns[f"{split}_{key}"] = Column(reader, key, options.shard_order)
   return Dataset(num_classes=manifest["num_classes"], task=manifest["task"],
                  source=data_dir, **columns)
+
+
+def verify(data_dir: str) -> str:
+  """Checks `data_dir` against its manifest, every shard's SHA-256
+  included (`tools.make_shards --verify`); returns a line saying so.
+
+  Raises:
+    UserError: one line naming the manifest or the shard that disagrees.
+  """
+  manifest = shard_format.read_manifest(data_dir)
+  if manifest["format"] == "arrayrecord":
+    need_array_record()
+  shard_format.check_files(data_dir, manifest, verify_checksums=True)
+  files = sum(len(manifest["splits"][s]["files"])
+              for s in shard_format.SPLITS)
+  return (f"{data_dir}: {files} {manifest['format']} shards match the "
+          "manifest, SHA-256 included")
 
 
 def need_array_record() -> None:
