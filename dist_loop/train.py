@@ -13,6 +13,7 @@ This is also where the actions get what they need from the trainer
 `DivergedError`, after its checkpoint and summary.json are written.
 """
 
+import dataclasses
 import functools
 import json
 import os
@@ -33,7 +34,7 @@ from dist_loop.control.recovery import NonFinitePolicy
 from dist_loop.core.config import Config
 from dist_loop.core.errors import DivergedError, Interrupted, UserError
 from dist_loop.parallel.modes import MODES, build_trainer
-from dist_loop.parallel.modes.base import Reporting
+from dist_loop.parallel.modes.base import Report, Reporting
 from dist_loop.runtime import checkpoints, console
 from dist_loop.runtime import cluster as cluster_lib
 from dist_loop.runtime import devices, goodput
@@ -127,10 +128,13 @@ def _train(config, trainer, dataset, cluster, flags_text, record):
   # --allow_config_change let a changed optimizer through: fresh slots.
   fresh = (("optimizer",) if previous_flags
            and config.optimizer_change(previous_flags) else ())
+  # The input's own state (the count of bad records): made now that the
+  # trainer's strategy is built; checkpoints without it still restore.
+  input_items = data.checkpoint_items(dataset)
   checkpointer = checkpoints.Checkpointer(
-      trainer.checkpoint_items(), workdir, config.max_checkpoints,
-      trainer.is_chief, cluster.task_index, config.async_checkpoint,
-      fresh=fresh)
+      {**trainer.checkpoint_items(), **input_items}, workdir,
+      config.max_checkpoints, trainer.is_chief, cluster.task_index,
+      config.async_checkpoint, fresh=fresh, optional=tuple(input_items))
   clock, record_name = record
   clock.lap("build")
   resumed = checkpointer.restore(trainer.scope())
@@ -199,6 +203,9 @@ def _inputs(config, trainer, dataset, checkpointer, summaries, summary_path,
     summary_parts = [*summary_parts, trainer.summary]
   summary_parts = [*summary_parts, lambda: {  # data/bad_records: bad_records
       k.split("/")[-1]: v for k, v in data.input_metrics(dataset).items()}]
+  report = trainer.report if reporting else None
+  if data.input_metrics(dataset):  # In every mode, whatever it reports.
+    report = functools.partial(_with_input_metrics, report, dataset)
   return actions.Inputs(
       summaries=summaries,
       evaluator=Evaluator(trainer.model, dataset, config.eval_batch_size,
@@ -217,12 +224,19 @@ def _inputs(config, trainer, dataset, checkpointer, summaries, summary_path,
       # One callable for the whole run: `on_master` traces once per callable.
       probe_gradients=functools.partial(
           trainer.on_master, functools.partial(probe_gradients, task)),
-      report=trainer.report if reporting else None,
+      report=report,
       tokens_per_example=task.predictions_per_example(dataset.train_y),
       summary_path=summary_path,
       summary_parts=summary_parts,
       previous=previous,
       goodput=recorder)
+
+
+def _with_input_metrics(report, dataset) -> Report:
+  """The mode's report (or none) and the input's scalars (`data/...`)."""
+  out = report() if report is not None else Report()
+  return dataclasses.replace(out, scalars={**out.scalars,
+                                           **data.input_metrics(dataset)})
 
 
 def _read_summary(path: str) -> Mapping[str, object]:

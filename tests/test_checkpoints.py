@@ -47,6 +47,31 @@ def test_save_skips_a_step_already_saved_and_restore_takes_the_newest(
   assert fresh["w"].numpy().tolist() == [4.0, 4.0]
 
 
+def test_an_optional_item_is_restored_where_a_checkpoint_holds_it(tmp_path):
+  """The input's count of bad records: a checkpoint without it (older, or
+  of a run without --skip_bad_records) restores the rest and leaves it;
+  one with it restores it, and restores into a run without it."""
+  scope = lambda: tf.distribute.get_strategy().scope()  # pylint: disable=unnecessary-lambda-assignment
+  items = _items(3.0)
+  checkpoints.Checkpointer(items, str(tmp_path), 3).save(3)
+  count = tf.Variable(7, dtype=tf.int64)
+  fresh = {**_items(-1.0), "count": count}
+  with pytest.raises(UserError, match="it holds no count"):
+    checkpoints.Checkpointer(fresh, str(tmp_path), 3).restore(scope())
+  reader = checkpoints.Checkpointer(fresh, str(tmp_path), 3,
+                                    optional=("count",))
+  assert reader.restore(scope()).endswith("ckpt-3")
+  assert fresh["w"].numpy().tolist() == [3.0, 3.0] and int(count.numpy()) == 7
+  count.assign(5)
+  reader.save(4)
+  count.assign(0)
+  assert reader.restore(scope()).endswith("ckpt-4") and int(count.numpy()) == 5
+  plain = _items(-1.0)
+  assert checkpoints.Checkpointer(plain, str(tmp_path), 3).restore(
+      scope()).endswith("ckpt-4")
+  assert plain["w"].numpy().tolist() == [3.0, 3.0]
+
+
 def _save_steps(workdir, steps, max_to_keep=5):
   """A checkpoint of each of `steps`, whose `w` is [step, step]."""
   items = _items()

@@ -2,8 +2,9 @@
 
 In-process: the locked update (decision, write order, float16 rule), the
 stats vector, the atomic counter, the bounded wait and the mode's rules.
-Across processes (tools.launch): one run trains digits with a worker killed
-mid-run, and a rerun on a new cluster resumes it until its PS is killed.
+Across processes (tools.launch): one run trains on TFRecord shards of the
+digits, with a bad record skipped and a worker killed mid-run, and a rerun
+on a new cluster resumes it on ArrayRecord shards until its PS is killed.
 """
 
 import dataclasses
@@ -22,10 +23,11 @@ import tensorflow as tf
 
 from conftest import read_events
 from helpers import load_data
-from dist_loop import configure
+from dist_loop import configure, data
 from dist_loop.control import weights
 from dist_loop.control.evaluation import Evaluator
 from dist_loop.core.errors import UserError
+from dist_loop.data import shard_format, shard_writer
 from dist_loop.parallel import staleness
 from dist_loop.parallel.modes.ps import counter, server, stats, trainer, update
 from dist_loop.parallel.modes.ps import PSTrainer
@@ -295,6 +297,31 @@ KILL_WORKER_AT = 40
 MAX_STALENESS = 0  # The tightest bound: every applied gradient is fresh.
 
 
+@pytest.fixture(scope="module")
+def digits_shards(tmp_path_factory):
+  """The digits as shards: {format: directory}. The first TFRecord file's
+  record 5 is not an Example."""
+  digits = data.DATASETS.get("digits")(None, 0, None)
+  root = tmp_path_factory.mktemp("ps_shards")
+  out = {fmt: str(root / fmt) for fmt in shard_format.FORMATS}
+  for fmt, directory in out.items():
+    shard_writer.write(digits, fmt, 4, directory, 0, {"dataset": "digits"})
+  manifest_path = os.path.join(out["tfrecord"], shard_format.MANIFEST)
+  with open(manifest_path, encoding="utf-8") as f:
+    manifest = json.load(f)
+  entry = manifest["splits"]["train"]["files"][0]
+  path = os.path.join(out["tfrecord"], entry["name"])
+  records = [r.numpy() for r in tf.data.TFRecordDataset(path)]
+  records[5] = b"not an Example"
+  with tf.io.TFRecordWriter(path) as w:
+    for record in records:
+      w.write(record)
+  entry["bytes"] = os.path.getsize(path)
+  with open(manifest_path, "w", encoding="utf-8") as f:
+    json.dump(manifest, f)
+  return out
+
+
 def _command(workdir, **overrides):
   flags = dict(mode="ps", dataset="digits", model="mlp", num_devices=1,
                global_batch_size=32, optimizer="adam", learning_rate=0.003,
@@ -326,14 +353,19 @@ def _processes(launcher):
 
 
 @pytest.fixture(scope="module")
-def killed_worker_run(tmp_path_factory):
-  """A float16 run of 100 steps on digits; worker:1 is killed at step 40.
+def killed_worker_run(tmp_path_factory, digits_shards):
+  """A float16 run of 100 steps on TFRecord shards of the digits, each
+  worker reading its own files, a bad record skipped; worker:1 is killed at
+  step 40.
 
   Two PSs: the variables are spread over both, and the lock on ps:0 still
   orders every update.
   """
   workdir = tmp_path_factory.mktemp("ps") / "run"
-  launcher = _launcher(workdir, _command(workdir), num_workers=2, num_ps=2)
+  command = _command(workdir, dataset="shards",
+                     data_dir=digits_shards["tfrecord"],
+                     skip_bad_records=True)
+  launcher = _launcher(workdir, command, num_workers=2, num_ps=2)
   launcher.start()
   try:
     _wait_for(workdir / "logs" / "chief-0.log",
@@ -350,7 +382,7 @@ def killed_worker_run(tmp_path_factory):
 
 
 def test_ps_trains_digits_within_the_bound_despite_a_killed_worker(
-    killed_worker_run):
+    killed_worker_run, digits_shards):
   workdir, s = killed_worker_run
   assert s["final_step"] == STEPS and s["ps_applied"] == STEPS
   assert s["eval_accuracy"] > 0.9
@@ -380,6 +412,15 @@ def test_ps_trains_digits_within_the_bound_despite_a_killed_worker(
           "train/ps/staleness_max", "train/ps/drops_per_update",
           "train/grad_norm", "train/loss_scale"} <= tags
   assert "train/ps/updates_per_sec" not in tags
+  # The bad record, once in each epoch of the input that reads its file
+  # (files 0 and 2 of 4; at most every step's batch from it, plus a read
+  # ahead): the run's count, on the chief, which the workers' inputs add to.
+  with open(os.path.join(digits_shards["tfrecord"], shard_format.MANIFEST),
+            encoding="utf-8") as f:
+    counts = shard_format.counts(json.load(f), "train")
+  assert 1 <= s["bad_records"] <= STEPS * 32 // (counts[0] + counts[2]) + 2
+  assert 1 <= max(read_events(str(workdir / LOGDIR))[
+      "train/data/bad_records"].values()) <= s["bad_records"]
   # The checkpoint has the names of every other mode: a plain model reads it.
   config = configure.make_config(workdir=str(workdir), dataset="digits",
                                  model="mlp")
@@ -390,14 +431,19 @@ def test_ps_trains_digits_within_the_bound_despite_a_killed_worker(
 
 
 def test_a_killed_ps_stops_the_run_and_a_rerun_resumes(killed_worker_run,
+                                                       digits_shards,
                                                        tmp_path):
-  """A new, smaller cluster resumes (a copy of) the finished run; then its
-  PS is killed. The chief says so in one line: TensorFlow's and gRPC's
-  error text about the lost task is hidden."""
+  """A new, smaller cluster resumes (a copy of) the finished run, on
+  ArrayRecord shards of the same digits (read by the chief's Python, for
+  the worker) and without --skip_bad_records, so its checkpoint holds a
+  count this run does not keep; then its PS is killed. The chief says so in
+  one line: TensorFlow's and gRPC's error text about the lost task is
+  hidden."""
   workdir = tmp_path / "run"
   shutil.copytree(killed_worker_run[0], workdir)
-  launcher = _launcher(workdir, _command(workdir, train_steps=100000),
-                       num_workers=1, num_ps=1)
+  command = _command(workdir, train_steps=100000, dataset="shards",
+                     data_dir=digits_shards["arrayrecord"])
+  launcher = _launcher(workdir, command, num_workers=1, num_ps=1)
   launcher.start()
   chief_log = workdir / "logs" / "chief-0.log"
   try:

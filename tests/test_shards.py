@@ -9,7 +9,8 @@ import pytest
 import tensorflow as tf
 
 from dist_loop.core.errors import UserError
-from dist_loop.data import shard_format, shard_stream, shard_writer, shards
+from dist_loop.data import bad_records, shard_format, shard_stream
+from dist_loop.data import shard_writer, shards
 from dist_loop.data import stream
 from dist_loop.data.base import Dataset
 from dist_loop.runtime import strategy as strategy_lib
@@ -206,25 +207,52 @@ def _with_records(tmp_path, record):
   return out, path
 
 
-def test_skip_bad_records_counts_them_and_stops_past_the_limit(tmp_path):
+def test_skip_bad_records_counts_them_once_and_stops_past_the_limit(
+    tmp_path):
   out, _ = _with_records(tmp_path, lambda i: b"\xff garbage" if i in (
       3, 40, 41) else shard_format.encode(np.float32([i]), np.int32(0)))
   options = shards.ShardsOptions(skip_bad_records=True, max_bad_records=3)
   col = shards.load(out, 0, options=options).train_x
-  it = iter(col.train_dataset_fn(BATCH, 0, 0)(tf.distribute.InputContext()))
+  ctx = tf.distribute.InputContext()
+  it = iter(col.train_dataset_fn(BATCH, 0, 0)(ctx))
   seen = [int(v) for _ in range(4) for v in next(it)[0].numpy().ravel()]
   # The first epoch: the good records, none twice; then the next epoch.
   assert set(seen[:N - 3]) == set(range(N)) - {3, 40, 41}
   assert len(set(seen[:N - 3])) == N - 3
-  assert shards.input_metrics(shards.load(out, 0, options=options)) == {
-      "data/bad_records": 0.0}  # A new input counts afresh.
   # The first epoch's 3, and what the prefetch has read ahead of it.
   assert col.skipper.metrics()["data/bad_records"] >= 3
+  del it
+  # An input started again (a resume at step 1, with the count restored)
+  # reads from record 24, which the skip of 3 had moved into step 0, and
+  # reads 40 and 41 again: not counted twice (6 would be past the limit)...
+  again = iter(col.train_dataset_fn(BATCH, 0, 1)(ctx))
+  assert [int(v) for _ in range(3) for v in next(again)[0].numpy().ravel()
+         ] == [24] + seen[BATCH:-1]
   with pytest.raises(tf.errors.InvalidArgumentError) as info:
-    for _ in range(10):  # The second epoch's first bad record is the 4th.
-      next(it)
+    for _ in range(10):  # ...and the second epoch's first is the 4th.
+      next(again)
   assert str(shard_stream.input_error(info.value)).startswith(
       f"4 {shard_stream.bad_records.LIMIT_ERROR}=3 in {out}; ")
+  assert shards.input_metrics(shards.load(out, 0, options=options)) == {
+      "data/bad_records": 0.0}  # Another run's count.
+
+
+def test_the_ledger_numbers_each_bad_record_once():
+  ledger = bad_records.Ledger()
+  add = tf.function(lambda places: ledger.add(places), autograph=False)
+
+  def highest(*places):
+    return int(add(tf.constant(places, tf.int64)))
+
+  assert [highest(5), highest(7, 9), highest(5), highest(7, 11)] == [
+      1, 3, 1, 4]  # 7 keeps its number, 2; 11 is the 4th.
+  assert int(ledger.count.numpy()) == 4
+  # It remembers the places of the last RECENT: an older one read again
+  # is counted again.
+  many = range(100, 100 + bad_records.RECENT)
+  assert highest(*many) == bad_records.RECENT + 4
+  assert highest(5 + 1000 * bad_records.RECENT) == bad_records.RECENT + 5
+  assert highest(101) == 6 and highest(5) == bad_records.RECENT + 6
 
 
 @pytest.mark.timeout(120)
@@ -245,6 +273,23 @@ def test_two_data_workers_produce_each_batch_of_the_stream_once(index_shards):
   assert len(set(got)) == len(got)  # No batch twice: static sharding.
   assert set(got) <= set(expected)  # The stream's own batches.
   del servers
+
+
+def test_skip_bad_records_over_several_sync_workers_is_refused(
+    index_shards, small_config):
+  """Each worker of a multi-worker sync or local_sgd run reads its own
+  input, and only the chief's count would be checkpointed."""
+  from dist_loop import configure  # pylint: disable=g-import-not-at-top
+  from dist_loop.runtime.cluster import Cluster  # pylint: disable=g-import-not-at-top
+  two = Cluster({"worker": ["a:1", "b:1"]}, "worker", 0)
+  flat = dict(dataset="shards", data_dir=index_shards["tfrecord"],
+              skip_bad_records=True, train_steps=8)
+  for mode in ("sync", "local_sgd"):
+    with pytest.raises(UserError, match=f"each of the 2 workers of this "
+                       f"--mode={mode} run reads its own input"):
+      configure.validate(small_config(mode=mode, **flat), two)
+    configure.validate(small_config(mode=mode, **flat), Cluster())
+  configure.validate(small_config(**dict(flat, skip_bad_records=False)), two)
 
 
 def test_a_users_npz_becomes_shards_that_read_back_equal(tmp_path):

@@ -106,18 +106,19 @@ def test_tfrecord_run_resumed_equals_uninterrupted(tmp_path):
   _resumed_equals_whole(tmp_path, shards, shards, shards)
 
 
-def _digits_with_a_bad_record(tmp_path):
-  """TFRecord digits shards whose first file's record 5 is not an Example;
-  returns (directory, that file)."""
+def _digits_with_bad_records(tmp_path, num_shards=2, bad=(5,)):
+  """TFRecord digits shards whose first file's records `bad` are not
+  Examples; returns (directory, that file)."""
   out = str(tmp_path / "bad_shards")
   shard_writer.write(data.DATASETS.get("digits")(None, 0, None), "tfrecord",
-                     2, out, 0, {"dataset": "digits"})
+                     num_shards, out, 0, {"dataset": "digits"})
   manifest_path = os.path.join(out, "manifest.json")
   manifest = json.load(open(manifest_path))
   entry = manifest["splits"]["train"]["files"][0]
   path = os.path.join(out, entry["name"])
   records = [r.numpy() for r in tf.data.TFRecordDataset(path)]
-  records[5] = b"not an Example"
+  for i in bad:
+    records[i] = b"not an Example"
   with tf.io.TFRecordWriter(path) as w:
     for r in records:
       w.write(r)
@@ -129,7 +130,7 @@ def _digits_with_a_bad_record(tmp_path):
 
 def test_a_bad_record_stops_the_run_in_one_line_or_is_skipped_and_counted(
     tmp_path):
-  out, path = _digits_with_a_bad_record(tmp_path)
+  out, path = _digits_with_bad_records(tmp_path)
   common = ["--dataset=shards", f"--data_dir={out}", "--model=mlp",
             "--global_batch_size=64", "--train_steps=30",
             "--steps_per_loop=10", "--log_every=10", "--eval_every=30",
@@ -147,6 +148,31 @@ def test_a_bad_record_stops_the_run_in_one_line_or_is_skipped_and_counted(
   assert summary["bad_records"] >= 1  # Record 5, in every epoch read.
   events = read_events(os.path.join(skipped, "tb"))
   assert max(events["train/data/bad_records"].values()) >= 1
+
+
+def test_the_bad_record_count_is_the_runs_over_a_resume_in_async_mode(
+    tmp_path):
+  """One async worker reads the stream of one file in order, 8 records a
+  step: records 5 and 32 are bad. Step 3's batch ends past the skip of 5,
+  so it reads record 32 before the checkpoint of step 4, and the resumed
+  input, which starts at record 4 * 8, reads it again: counted once."""
+  out, _ = _digits_with_bad_records(tmp_path, num_shards=1, bad=(5, 32))
+  common = ["--mode=async", "--num_devices=1", "--dataset=shards",
+            f"--data_dir={out}", "--skip_bad_records", "--model=mlp",
+            "--global_batch_size=8", "--optimizer=sgd",
+            "--learning_rate=0.1", "--steps_per_loop=4", "--log_every=4",
+            "--eval_every=8", "--checkpoint_every=4"]
+  resumed, whole = str(tmp_path / "resumed"), str(tmp_path / "whole")
+  for workdir, steps in ((resumed, 4), (resumed, 8), (whole, 8)):
+    code, _, err = run_main(f"--workdir={workdir}", f"--train_steps={steps}",
+                            *common)
+    assert code == 0, err
+  for workdir in (resumed, whole):
+    summary = json.load(open(os.path.join(workdir, "summary.json")))
+    assert summary["final_step"] == 8 and summary["bad_records"] == 2
+    counts = read_events(os.path.join(workdir, "tb"))[
+        "train/data/bad_records"]
+    assert counts[max(counts)] == 2
 
 
 @pytest.mark.timeout(240)

@@ -143,18 +143,19 @@ class Split:
           f"train shards for {pipelines} processes, each of which reads "
           f"its own; make the shards again with --num_shards a multiple of "
           f"{pipelines}")
-    paths = tf.constant(self.paths[pipeline::pipelines])
-    counts = np.asarray(self.counts[pipeline::pipelines], np.int64)
-    first_epoch, offset = divmod(start, int(counts.sum()))
-    counts_t = tf.constant(counts)
+    # Sliced in the graph: under --mode=ps, `pipeline` is a tensor, drawn
+    # on the worker from a counter on a parameter server.
+    paths = tf.constant(self.paths)[pipeline::pipelines]
+    counts_t = tf.constant(self.counts, tf.int64)[pipeline::pipelines]
+    first_epoch = start // tf.reduce_sum(counts_t)
+    offset = start % tf.reduce_sum(counts_t)
 
     @_no_autograph
     def epoch(e):
       keys = tf.random.stateless_uniform(
-          [len(counts)], seed=tf.stack([tf.constant(seed, tf.int64), e]))
+          tf.shape(counts_t), seed=tf.stack([tf.constant(seed, tf.int64), e]))
       order = tf.argsort(keys)
-      skip_all = tf.where(e == first_epoch, tf.constant(offset, tf.int64),
-                          tf.constant(0, tf.int64))
+      skip_all = tf.where(e == first_epoch, offset, tf.constant(0, tf.int64))
       sizes = tf.gather(counts_t, order)
       skips = tf.clip_by_value(skip_all - (tf.cumsum(sizes) - sizes), 0,
                                sizes)
@@ -245,7 +246,9 @@ def train_dataset_fn(split: Split, global_batch_size: int, seed: int,
       if split.service:
         ds = service.shard_point(ds)
     if split.skipper is not None:
-      ds = split.skipper.batches(records, split.parse, per_replica)
+      ds = split.skipper.train_batches(records, split.parse, per_replica,
+                                       _places(ctx, global_batch_size,
+                                               per_replica, start_step))
     else:
       ds = ds.map(_no_autograph(split.parse),
                   num_parallel_calls=stream.parallel_calls(),
@@ -255,6 +258,25 @@ def train_dataset_fn(split: Split, global_batch_size: int, seed: int,
     return stream.without_autotune(ds.prefetch(tf.data.AUTOTUNE))
 
   return dataset_fn
+
+
+def _places(ctx: tf.distribute.InputContext, global_batch_size: int,
+            per_replica: int, start_step: int):
+  """fn(i) -> the place in the stream of steps (`data/bad_records.py`) of
+  record i of the pipeline `ctx` names, which starts at `start_step`: the
+  pipeline reads K = per_replica * (its local replicas) records a step,
+  places [p*K, (p+1)*K) of each step's `global_batch_size` for pipeline p,
+  as the TFRecord and ArrayRecord inputs above both cut them."""
+  per_step = per_replica * (ctx.num_replicas_in_sync
+                            // ctx.num_input_pipelines)
+  # A tensor under --mode=ps (a worker's draw from a counter).
+  pipeline = tf.cast(ctx.input_pipeline_id, tf.int64)
+
+  def place(i):
+    return ((start_step + i // per_step) * global_batch_size
+            + pipeline * per_step + i % per_step)
+
+  return place
 
 
 def eval_dataset(split: Split, batch_size: int) -> tf.data.Dataset:
@@ -270,7 +292,7 @@ def eval_dataset(split: Split, batch_size: int) -> tf.data.Dataset:
                .flat_map(_no_autograph(read_file)))
     ds = records.batch(batch_size)
   if split.skipper is not None:
-    ds = split.skipper.batches(records, split.parse, batch_size, count=False)
+    ds = split.skipper.batches(records, split.parse, batch_size)
   else:
     ds = ds.map(_no_autograph(split.parse),
                 num_parallel_calls=stream.parallel_calls(), deterministic=True)

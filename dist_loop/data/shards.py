@@ -20,6 +20,7 @@ are opt-in (`--verify_checksums`, or once: `tools.make_shards --verify`).
 """
 
 import dataclasses
+from typing import Dict, Optional
 
 import numpy as np
 
@@ -41,10 +42,11 @@ class ShardsOptions:
       layout=True)
   skip_bad_records: bool = option(
       False, "Skip and count training records that fail to parse "
-      "(data/bad_records) instead of stopping at the first.")
+      "(data/bad_records: the run's count, kept in its checkpoints) "
+      "instead of stopping at the first.")
   max_bad_records: int = option(
-      100, "With --skip_bad_records: stop past this many bad records.",
-      lower=0)
+      100, "With --skip_bad_records: stop past this many bad records in "
+      "the run, resumes included.", lower=0)
   data_service: str = option(
       "", "A tf.data service dispatcher (grpc://HOST:PORT) whose workers "
       "parse the training input; TFRecord shards (docs/data.md).")
@@ -96,13 +98,26 @@ class Column(InputColumn):
     return shard_stream.eval_dataset(self._split, batch_size)
 
 
-def input_metrics(dataset: Dataset):
-  """What the input reports besides the trainer's metrics: the bad
-  records skipped (`data/bad_records`), or nothing."""
+def _skipper(dataset: Dataset) -> Optional[bad_records.Skipper]:
   column = dataset.train_x
-  if isinstance(column, Column) and column.skipper is not None:
-    return column.skipper.metrics()
-  return {}
+  return column.skipper if isinstance(column, Column) else None
+
+
+def input_metrics(dataset: Dataset) -> Dict[str, float]:
+  """What the input reports besides the trainer's metrics: the run's bad
+  records (`data/bad_records`), or nothing."""
+  skipper = _skipper(dataset)
+  return {} if skipper is None else skipper.metrics()
+
+
+def checkpoint_items(dataset: Dataset) -> Dict[str, object]:
+  """The input's own checkpoint items: with --skip_bad_records, the count
+  of bad records (`bad_records`, a `bad_records.Ledger`); else none. Its
+  variables are made here, on this process's host: call it once the
+  trainer's strategy is built (under --mode=ps the workers' inputs reach
+  them on the chief)."""
+  skipper = _skipper(dataset)
+  return {} if skipper is None else {"bad_records": skipper.ledger}
 
 
 @DATASETS.register("shards")

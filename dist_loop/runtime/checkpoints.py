@@ -1,7 +1,10 @@
 """Checkpoints: one object graph for every mode, written by the chief.
 
 The checkpoint holds `step`, `model` and `optimizer` (and `loss_scale` under
-float16; see `Trainer.checkpoint_items`). Every mode builds the same
+float16; see `Trainer.checkpoint_items`), and the input's own state where
+it has one (`bad_records` with --skip_bad_records: `data.checkpoint_items`),
+an optional item that a checkpoint without it leaves as it is, so older
+checkpoints and other runs' still restore. Every mode builds the same
 `keras.Sequential` and one optimizer over all its variables, so a checkpoint
 written by one mode restores in another. `tf.train.CheckpointManager` writes
 each checkpoint under a new name and only then points the index file
@@ -61,13 +64,18 @@ class Checkpointer:
     async_save: write in the background (`--async_checkpoint`).
     fresh: items not restored until the first save (the optimizer, after
       an allowed change of --optimizer: its slots start fresh).
+    optional: items restored from the checkpoints that hold them and left
+      as they are by those that do not (the input's count of bad records,
+      which older checkpoints and other runs' lack).
   """
 
   def __init__(self, items: Dict[str, object], workdir: str, max_to_keep: int,
                is_chief: bool = True, task_index: int = 0,
-               async_save: bool = False, fresh: Sequence[str] = ()):
+               async_save: bool = False, fresh: Sequence[str] = (),
+               optional: Sequence[str] = ()):
     self.items = dict(items)
     self.fresh = tuple(fresh)
+    self.optional = tuple(optional)
     self.workdir = workdir
     self.manager = manager(items, workdir, max_to_keep, is_chief, task_index)
     self._options = None
@@ -165,7 +173,8 @@ class Checkpointer:
       checkpoint = tf.train.Checkpoint(**{
           k: v for k, v in self.items.items() if k not in self.fresh})
     path = resume.restore_latest(self.manager, scope, self.items,
-                                 self.workdir, checkpoint)
+                                 self.workdir, checkpoint,
+                                 optional=self.optional)
     self._latest = path or self._latest
     return path
 

@@ -18,7 +18,7 @@ tell two failures apart:
 
 import os
 import re
-from typing import Dict, Optional, Set
+from typing import Dict, Optional, Sequence, Set
 
 import tensorflow as tf
 from absl import logging
@@ -37,7 +37,8 @@ _READ_ERRORS = (tf.errors.OpError, ValueError, AssertionError, IndexError,
 
 
 def restore_latest(mgr, scope, items: Optional[Dict[str, object]] = None,
-                   workdir: Optional[str] = None, checkpoint=None):
+                   workdir: Optional[str] = None, checkpoint=None,
+                   optional: Sequence[str] = ()):
   """Restores the newest readable checkpoint under `scope`.
 
   The candidates are the checkpoints the index names, newest first, then
@@ -54,6 +55,9 @@ def restore_latest(mgr, scope, items: Optional[Dict[str, object]] = None,
     workdir: the run's directory, to name its flags.txt in that message.
     checkpoint: what to restore into (default `mgr.checkpoint`): a part
       of it, whose other saved values are then not expected.
+    optional: names of `items` that a checkpoint need not hold: restored
+      from one that does, left as they are by one that does not (an older
+      checkpoint, or one of a run without them).
 
   Returns:
     The path restored, or None if the directory holds no checkpoint.
@@ -71,9 +75,9 @@ def restore_latest(mgr, scope, items: Optional[Dict[str, object]] = None,
   failures = []
   partial = checkpoint is not None
   checkpoint = checkpoint or mgr.checkpoint
+  target = _Target(checkpoint, partial, items, optional)
   with scope:
-    path = _restore_first_readable(checkpoint, listed, failures, items,
-                                   workdir, partial)
+    path = _restore_first_readable(target, listed, failures, workdir)
     if path is None and others:
       index = os.path.join(mgr.directory, "checkpoint")
       logging.warning(
@@ -83,8 +87,7 @@ def restore_latest(mgr, scope, items: Optional[Dict[str, object]] = None,
           "unreadable", "the other checkpoints" if listed else
           "the checkpoints it should list",
           ", ".join(os.path.basename(p) for p in others))
-      path = _restore_first_readable(checkpoint, others, failures, items,
-                                     workdir, partial)
+      path = _restore_first_readable(target, others, failures, workdir)
   if path is not None:
     logging.info("Resumed from %s.", path)
     return path
@@ -95,11 +98,29 @@ def restore_latest(mgr, scope, items: Optional[Dict[str, object]] = None,
       "over")
 
 
-def _restore_first_readable(checkpoint, paths, failures, items, workdir,
-                            partial=False):
+class _Target:
+  """What a checkpoint is restored into: `checkpoint` (`partial`: a part
+  of the run's), less the `optional` items the checkpoint does not hold."""
+
+  def __init__(self, checkpoint, partial: bool, items, optional):
+    self.checkpoint, self.partial = checkpoint, partial
+    self.items, self.optional = items or {}, tuple(optional)
+
+  def for_path(self, path: str):
+    """(what to restore `path` into, whether that is a part of it)."""
+    missing = set(self.optional) - _saved_items(path) if self.optional else ()
+    if not missing:
+      return self.checkpoint, self.partial
+    kept = {name: getattr(self.checkpoint, name) for name in self.items
+            if name not in missing and hasattr(self.checkpoint, name)}
+    return tf.train.Checkpoint(**kept), True
+
+
+def _restore_first_readable(target, paths, failures, workdir):
   for path in paths:
     status = None
     try:
+      checkpoint, partial = target.for_path(path)
       status = checkpoint.restore(path)
       status.assert_existing_objects_matched()
       if partial:
@@ -110,7 +131,9 @@ def _restore_first_readable(checkpoint, paths, failures, items, workdir,
       if status is not None:
         status.expect_partial()  # Its values are not wanted: no warnings.
       if _readable(path):
-        raise _incompatible(path, e, items, workdir) from None
+        needed = {k: v for k, v in target.items.items()
+                  if k not in target.optional}
+        raise _incompatible(path, e, needed, workdir) from None
       logging.warning("Checkpoint %s is unreadable (%s: %s); trying the one "
                       "before it.", path, type(e).__name__, _first_line(e))
       failures.append(path)

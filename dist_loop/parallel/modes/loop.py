@@ -67,7 +67,7 @@ import numpy as np
 import tensorflow as tf
 
 from dist_loop.core.errors import NonFiniteError
-from dist_loop.data import input_metrics, stream, train_dataset_fn
+from dist_loop.data import stream, train_dataset_fn
 from dist_loop.parallel.modes.base import Trainer, train_metrics
 from dist_loop.runtime import user_code
 from dist_loop.training import step as step_core
@@ -205,7 +205,6 @@ class LoopTrainer(Trainer):
                           self.trace_count != traces, applied))
     extra = ({} if self.loss_scale is None else
              {"loss_scale": float(self.loss_scale.scale.numpy())})
-    extra.update(input_metrics(self.dataset))  # data/bad_records, if any.
     return train_metrics(self.task, totals.means(), skipped=totals.skipped,
                          skipped_at_end=totals.skipped_at_end, extra=extra)
 

@@ -6,7 +6,9 @@
 lists it before its base class. It decides:
 
 * how many replicas there are: every training process's `--num_devices`;
-* which clusters it accepts: workers only, one replica per worker on CPU;
+* which clusters it accepts: workers only, one replica per worker on CPU,
+  and no --skip_bad_records over several workers (each would count its
+  own input's bad records, and the checkpoint keep the chief's count);
 * when the multi-worker strategy is built: in `join_cluster`, before any
   op runs, as TensorFlow requires (the thread pools are set just before it,
   since building it starts the runtime);
@@ -50,6 +52,14 @@ class Mirrored:
           f"--num_devices={config.num_devices}: MultiWorkerMirroredStrategy "
           "runs one replica per worker on CPU; use --num_devices=1 and more "
           "workers")
+    if cluster.num_trainers > 1 and getattr(config.dataset_options,
+                                            "skip_bad_records", False):
+      raise UserError(
+          f"--skip_bad_records counts a run's bad records in one place, but "
+          f"each of the {cluster.num_trainers} workers of this "
+          f"--mode={config.mode} run reads its own input and the "
+          "checkpoint keeps the chief's count only; train in one process "
+          "(or --mode=ps), or drop --skip_bad_records")
     check_divisible(config.global_batch_size,
                     cls.num_replicas(config, cluster))
 
