@@ -138,20 +138,27 @@ class Skipper:
     ledger = self.ledger
 
     @stream.no_autograph
-    def counted(expected, element):
+    def gap(expected, element):  # The bad records before this good one.
       position, x, y = element
-      places = place(tf.range(expected, position))
+      return position + 1, (x, y, expected, position)
 
-      highest = tf.cond(position > expected, lambda: ledger.add(places),
+    # Counted a batch at a time: the ledger's variables may be in another
+    # process (the chief, under ps), and a function that reaches them
+    # costs a call there each time it runs.
+    @stream.no_autograph
+    def counted(x, y, firsts, ends):
+      bad = tf.ragged.range(firsts, ends).flat_values
+      highest = tf.cond(tf.size(bad) > 0, lambda: ledger.add(place(bad)),
                         lambda: tf.constant(0, tf.int64))
       check = tf.debugging.Assert(highest <= self.limit, [
           highest, f"{LIMIT_ERROR}={self.limit} in {self.where}"])
       with tf.control_dependencies([check]):
-        return position + 1, (tf.identity(x), y)
+        return tf.identity(x), y
 
     return (self._good(records, parse)
-            .scan(tf.constant(0, tf.int64), counted)
-            .batch(batch_size, drop_remainder=True))
+            .scan(tf.constant(0, tf.int64), gap)
+            .batch(batch_size, drop_remainder=True)
+            .map(counted))
 
   @staticmethod
   def _good(records: tf.data.Dataset, parse) -> tf.data.Dataset:
