@@ -3,7 +3,8 @@
 Each mode with `--jit_compile` equals the same mode without it to 1e-4
 (XLA fuses and reorders float math, docs/modes.md#xla), crossed with the
 precisions and the sync reductions; a resume equals an uninterrupted run
-exactly with it on; what cannot compile is refused at parse time.
+exactly with it on, dropout included; what cannot compile is refused at
+parse time.
 """
 
 import keras
@@ -97,8 +98,13 @@ def test_async_with_one_worker(small_config, tmp_path):
   assert none == 0 and compiled == 1
 
 
-def test_resumed_equals_uninterrupted_with_jit(small_config, tmp_path):
+def test_resumed_equals_uninterrupted_with_jit_and_dropout(small_config,
+                                                          tmp_path):
+  # Dropout's masks are drawn inside the compiled step from its seed
+  # generators, whose state no checkpoint holds: each step's seeds come
+  # from the step (training/seeds.py), so the resumed steps draw the same.
   common = dict(num_devices=2, jit_compile=True, shard="gradients",
+                model="test_dropout_mlp", deterministic=True,
                 checkpoint_every=2, eval_every=4, log_every=2,
                 steps_per_loop=2, train_steps=4, optimizer="adam",
                 learning_rate=0.01)

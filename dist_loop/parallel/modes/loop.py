@@ -17,6 +17,9 @@ rest, written once:
 2. **The traced loop** (`_loop_fn`): `n` steps per `tf.function` call.
    A step runs `replica_step` on every replica (`run_replicas`), advances
    the step counter, then calls `after_step` (local SGD's sync every H).
+   Before `replica_step`, each replica writes the seeds of the model's
+   random layers from the step (`training/seeds.py`), so a resumed run
+   draws the dropout masks of an uninterrupted one.
 3. **The metrics cross the network once per loop.** Each replica sums its
    own step results; one all-gather at the end of the loop brings every
    replica's sums to every replica (`step.py`: `add_step`, `LoopSums`).
@@ -70,6 +73,7 @@ from dist_loop.core.errors import NonFiniteError
 from dist_loop.data import input_metrics, stream, train_dataset_fn
 from dist_loop.parallel.modes.base import Trainer, train_metrics
 from dist_loop.runtime import user_code
+from dist_loop.training import seeds
 from dist_loop.training import step as step_core
 
 Variant = Optional[Hashable]
@@ -160,6 +164,13 @@ class LoopTrainer(Trainer):
     """Traced after every step, in cross-replica context, once the step
     counter has advanced."""
 
+  def seeded_model(self):
+    """The model whose random layers (dropout) a step runs: their seeds
+    are written before each step (`training/seeds.py`). `model`, unless
+    the mode trains another copy (local SGD's `replica_model`); None: no
+    model, no seeds."""
+    return getattr(self, "model", None)
+
   def _make_iterator(self, dataset_fn):
     """The iterator of this process's training input, read once per step
     by the traced loop: the step's batch, or with a strategy the local
@@ -246,8 +257,13 @@ class LoopTrainer(Trainer):
 
     replica_step = user_code.convert(self.replica_step)
     after_step = user_code.convert(self.after_step)
+    model = self.seeded_model()
+    random_states = [] if model is None else seeds.generator_states(model)
 
     def replica(batch, sums):
+      if random_states:  # A step's masks from the step (module docstring, 2).
+        seeds.reseed(random_states, self.config.seed, self.step,
+                     self._replica_index())
       out = replica_step(batch, variant)
       loss = out.shares["loss"]
       sums = step_core.add_step(
@@ -330,6 +346,12 @@ class LoopTrainer(Trainer):
     if self.strategy is None:
       return value
     return self.strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None)
+
+  def _replica_index(self):
+    """In replica context: the replica's index among all replicas."""
+    if self.strategy is None:
+      return 0
+    return tf.distribute.get_replica_context().replica_id_in_sync_group
 
   def _first(self, values):
     """The first replica's value of each (per-replica) value."""
