@@ -102,11 +102,16 @@ def test_quick_suites_write_consistent_json(tmp_path):
   assert results["machine"]["cpu_count"] == os.cpu_count()
   suites = results["suites"]
   assert sorted(suites) == ["mfu", "overhead"]
+  targets = {}
   for name, suite in suites.items():
     assert _positive(suite["seconds"]), name
-    # A header, a rule, and one line per row; each printed under its name.
-    assert len(suite["table"].splitlines()) == len(suite["rows"]) + 2, name
+    # A header, a rule, and one line per row, then the targets; each
+    # printed under its name.
+    table, lines = suite["table"].split("\n\n")
+    assert len(table.splitlines()) == len(suite["rows"]) + 2, name
+    targets[name] = lines.splitlines()
     assert f"## {name} (" in result.stdout
+    assert suite["table"] in result.stdout
 
   overhead = suites["overhead"]["rows"]
   # Quick: each model and each device count once; on 1 device fit runs
@@ -128,6 +133,13 @@ def test_quick_suites_write_consistent_json(tmp_path):
           r["dist_loop_xla ex/s"] / r["keras_fit_xla ex/s"])
     else:
       assert r["keras_fit_xla ex/s"] is None
+  # Its target: on one device, with XLA at least as fast as fit with XLA.
+  (one,) = [r for r in overhead if r["devices"] == 1]
+  (line,) = targets["overhead"]
+  assert line == (
+      f"- transformer, 1 device: dist_loop_xla {one['xla vs fit xla']:.3f}x "
+      f"keras_fit_xla ({one['xla vs fit xla spread']}) (target >= 1.0): "
+      + ("met" if one["xla vs fit xla"] >= 1.0 else "NOT met"))
 
   rows = suites["mfu"]["rows"]
   # Each model: sync on 1 and 2 devices without and with XLA, then fit
@@ -143,11 +155,96 @@ def test_quick_suites_write_consistent_json(tmp_path):
         row["matmul peak GFLOP/s"])
     assert row["MFU"] == pytest.approx(row["train GFLOP/s"]
                                        / row["matmul peak GFLOP/s"])
+    # Compile time: the first call (traced, with XLA compiled) less a
+    # steady one of the same steps, which does neither.
+    assert 0 < row["compile s"] < row["first loop s"]
   fits = [r for r in rows if r["loop"] == "keras fit 1 device"]
   assert [r["vs fit xla"] for r in fits] == [1.0, 1.0]
   for row, fit in zip(rows[:4] + rows[5:9], [fits[0]] * 4 + [fits[1]] * 4):
     assert row["vs fit xla"] == pytest.approx(row["train GFLOP/s"]
                                               / fit["train GFLOP/s"])
+  # The targets: every sync row's MFU (MLP 0.85, Transformer 0.70), then
+  # each model's one-device XLA loop against fit with XLA (1.0x).
+  lines = targets["mfu"]
+  ours = [r for r in rows if r["loop"] != "keras fit 1 device"]
+  assert len(lines) == len(ours) + 2
+  for line, row in zip(lines, ours):
+    least = 0.85 if row["model"].startswith("4x2048") else 0.70
+    assert line.startswith(f"- {row['model']}, {row['loop']}, ")
+    assert f"MFU {row['MFU']:.3f} ({row['MFU spread']})" in line
+    assert line.endswith(f"(target >= {least}): "
+                         + ("met" if row["MFU"] >= least else "NOT met"))
+  for line, row in zip(lines[-2:], [rows[1], rows[6]]):
+    assert (row["loop"], row["xla"]) == ("sync 1 device", True)
+    assert f"{row['vs fit xla']:.3f}x Keras fit with XLA" in line
+    assert line.endswith("(target >= 1.0): " + (
+        "met" if row["vs fit xla"] >= 1.0 else "NOT met"))
+
+
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["tf", "xla"])
+def test_a_profiled_step_names_its_top_ops(tmp_path, jit_compile):
+  import keras  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tools.benchmarks import profile_step  # pylint: disable=g-import-not-at-top
+  model = keras.Sequential([keras.Input((64,)),
+                            keras.layers.Dense(64, activation="relu"),
+                            keras.layers.Dense(10)])
+  x, y = tf.random.normal([32, 64]), tf.zeros([32], tf.int32)
+
+  @tf.function(jit_compile=jit_compile, autograph=False)
+  def step():
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(
+          y, model(x, training=True), from_logits=True))
+    for v, g in zip(model.trainable_variables,
+                    tape.gradient(loss, model.trainable_variables)):
+      v.assign_sub(0.1 * g)
+
+  path = profile_step.capture(step, str(tmp_path / "profile"))
+  assert path.endswith(".xplane.pb") and str(tmp_path) in path
+  ops = profile_step.top_ops(path)
+  assert 0 < len(ops) <= profile_step.TOP
+  assert all(o.seconds > 0 and o.count > 0 for o in ops)
+  assert [o.seconds for o in ops] == sorted((o.seconds for o in ops),
+                                            reverse=True)
+  assert 0 < sum(o.share for o in ops) <= 1 + 1e-9
+  # The layers' matmuls, as TensorFlow kernels or as XLA instructions.
+  matmuls = [o for o in ops if o.name == "MatMul"]
+  assert [o.xla for o in matmuls] == [jit_compile]
+  assert matmuls[0].count >= 2  # Both layers' forward, at least.
+  table = profile_step.table(ops)
+  assert len(table.splitlines()) == len(ops) + 2 and "| MatMul |" in table
+
+
+def test_self_time_leaves_out_the_ops_nested_in_an_op(tmp_path):
+  from tensorflow.tsl.profiler.protobuf import xplane_pb2  # pylint: disable=g-import-not-at-top,g-direct-tensorflow-import
+  from tools.benchmarks import profile_step  # pylint: disable=g-import-not-at-top
+  space = xplane_pb2.XSpace()
+  plane = space.planes.add(name="/host:CPU")
+  plane.stat_metadata[1].name = "hlo_op"
+  names = {1: ("outer:While", "While"), 2: ("mm:MatMul", "MatMul"),
+           3: ("__inference_f:__inference_f", "__inference_f"),
+           4: ("MatMul.7", ""), 5: ("ExecutorState::Process", "")}
+  for i, (name, display) in names.items():
+    plane.event_metadata[i].name = name
+    plane.event_metadata[i].display_name = display
+  line = plane.lines.add(name="tf_Compute")
+  # (metadata, start, duration) in picoseconds: a While holding a MatMul
+  # and an XLA instruction, inside a function call and another event.
+  for meta, start, duration in [(5, 0, 10**9), (3, 0, 10**9),
+                                (1, 10**6, 10**8), (2, 2 * 10**6, 3 * 10**7),
+                                (4, 5 * 10**7, 10**7), (2, 2 * 10**8, 10**7)]:
+    event = line.events.add(metadata_id=meta, offset_ps=start,
+                            duration_ps=duration)
+    if meta == 4:
+      event.stats.add(metadata_id=1, str_value="MatMul.7")
+  path = tmp_path / "host.xplane.pb"
+  path.write_bytes(space.SerializeToString())
+  ops = {(o.name, o.xla): (round(o.seconds * 1e12), o.count)
+         for o in profile_step.top_ops(str(path))}
+  assert ops == {("While", False): (10**8 - 3 * 10**7 - 10**7, 1),
+                 ("MatMul", False): (3 * 10**7 + 10**7, 2),
+                 ("MatMul", True): (10**7, 1)}
 
 
 def test_pipeline_targets_are_judged_from_the_rows():
