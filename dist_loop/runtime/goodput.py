@@ -36,13 +36,13 @@ ordered by control dependencies, and adds the difference up; the
 iterations of the loop run one after another, so that is the time the step
 waited for its batch (with tf.data's prefetch, a few microseconds when the
 input keeps up). Under op determinism (`--deterministic`), which refuses
-timestamps, it is not measured. The async mode times each worker thread's `next_batch`
-on the host; a worker's wait overlaps the other workers' steps, so a
-loop's `input` is the workers' mean wait during it. ps does not measure
-it (`input_wait_s` None, the phase 0): its batches are read inside the
-functions the coordinator sends to the workers, and only the workers see
-those waits (each function would have to return its wait, per worker and
-call).
+timestamps, it is not measured. The async mode times each worker
+thread's `next_batch` on the host; a worker's wait overlaps the other
+workers' steps, so a loop's `input` is the workers' mean wait during it.
+ps does not measure it (`input_wait_s` None, the phase 0): its batches
+are read inside the functions the coordinator sends to the workers, and
+only the workers see those waits (each function would have to return its
+wait, per worker and call).
 
 The record, WORKDIR/goodput.jsonl (goodput.worker-1.jsonl for another
 process), is append-only JSON lines: each line is an attempt's cumulative
