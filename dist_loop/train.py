@@ -36,7 +36,7 @@ from dist_loop.parallel.modes import MODES, build_trainer
 from dist_loop.parallel.modes.base import Reporting
 from dist_loop.runtime import checkpoints, console
 from dist_loop.runtime import cluster as cluster_lib
-from dist_loop.runtime import devices, goodput
+from dist_loop.runtime import devices, goodput, launch_record
 from dist_loop.runtime import preemption
 from dist_loop.runtime import workdir as workdir_lib
 from dist_loop.runtime.files import atomic_write_text
@@ -143,7 +143,8 @@ def _train(config, trainer, dataset, cluster, flags_text, record):
   recorder = goodput.Recorder(os.path.join(workdir, record_name), clock, {
       "checkpoint_every": config.checkpoint_every,
       "expected_failure_interval_s": config.expected_failure_interval_s,
-      "async_checkpoint": config.async_checkpoint})
+      "async_checkpoint": config.async_checkpoint},
+      launches=launch_record.path(workdir))
   recorder.restore(checkpointer.saved_step if resumed else None, 0.0)
   recorder.write()  # Start-up is on record even if the first loop dies.
   summaries = Summaries(workdir, enabled=trainer.is_chief)

@@ -6,6 +6,7 @@ take seconds; tests/test_multiworker.py and tests/test_ps.py launch real
 training.
 """
 
+import json
 import os
 import re
 import signal
@@ -16,8 +17,9 @@ import time
 
 import pytest
 
-from conftest import REPO, run_launch
+from conftest import REPO, run_launch, run_tool
 
+from dist_loop.runtime import goodput, launch_record
 from tools import launch, local_cluster
 
 # Prints its task, then: worker 1 fails with exit code 3 once the others
@@ -76,8 +78,32 @@ if job == "ps" or (job == "worker" and "ps" in config["cluster"]):
 time.sleep(1.0)
 """
 
+# A run's attempts as their goodput record shows them, without TensorFlow:
+# the first trains steps 0..10 and dies by SIGKILL LOST_S after its last
+# record; the next resumes at 10, trains to 20 and prints its totals (which
+# read the launcher's record).
+LOST_S = 0.3
+ATTEMPTS = f"""
+import json, os, signal, sys, time
+from dist_loop.runtime import goodput, launch_record
+workdir = sys.argv[1].split("=", 1)[1]
+os.makedirs(workdir, exist_ok=True)
+recorder = goodput.Recorder(os.path.join(workdir, goodput.GOODPUT_FILE),
+                            goodput.Clock(),
+                            launches=launch_record.path(workdir))
+start = 10 if recorder.earlier else 0
+recorder.restore(start, 0.0)
+recorder.loop(start, start + 10, 0.01)
+if not start:
+  time.sleep({LOST_S})
+  os.kill(os.getpid(), signal.SIGKILL)
+recorder.write(final=True)
+print("totals", json.dumps(recorder.totals()), flush=True)
+"""
+
 # Prints the cores it may run on and its native TensorFlow log level.
 SHOW_CORES = """
+import json
 import os
 print("cores", sorted(os.sched_getaffinity(0)), flush=True)
 print("native log level", os.environ.get("TF_CPP_MIN_LOG_LEVEL"), flush=True)
@@ -265,6 +291,46 @@ def test_a_lost_ps_restarts_a_ps_cluster_and_a_lost_worker_does_not(
   assert result.returncode == 0, result.stdout
   assert "training goes on" in result.stdout
   assert not _restart_lines(result.stdout)
+
+
+def test_a_restart_is_recorded_and_splits_the_downtime_before_it(tmp_path):
+  """The launcher's record (logs/launch.jsonl) of a run restarted once
+  after a SIGKILL, and the downtime of the restart as goodput splits it:
+  in tools.goodput's table and in the restarted attempt's own totals."""
+  workdir = tmp_path / "run"
+  result = run_launch("--num_workers=1", "--max_restarts=1", "--",
+                      sys.executable, "-c", ATTEMPTS, f"--workdir={workdir}",
+                      timeout=60)
+  assert result.returncode == 0, result.stdout
+  events = launch_record.read(str(workdir / "logs" / "launch.jsonl"))
+  assert [e["event"] for e in events] == [
+      "start", "failed", "stopped", "waited", "start", "exit"]
+  _, failed, stopped, waited, restart, end = events
+  assert (failed["task"], failed["code"]) == ("worker:0", -signal.SIGKILL)
+  assert failed["t"] <= failed["detected"] <= stopped["t"] <= waited["t"]
+  assert waited["ports_free"] and end["code"] == 0
+  attempts = goodput.read(str(workdir / goodput.GOODPUT_FILE))
+  assert [[a["pid"]] for a in attempts] == [
+      list(e["tasks"].values()) for e in (events[0], restart)]
+  parts = goodput.downtime(*attempts, events)
+  assert sum(parts.values()) == pytest.approx(
+      attempts[1]["started"] - attempts[0]["t"])
+  assert parts["unrecorded"] >= LOST_S  # It slept, then died.
+  assert parts["other"] == 0.0
+  # The restarted attempt's totals read the record as the tool does.
+  [line] = [l for l in result.stdout.splitlines() if " totals " in l]
+  totals = json.loads(line.split(" totals ", 1)[1])
+  for part, seconds in parts.items():
+    assert totals[f"downtime_{part}"] == pytest.approx(seconds)
+  plot = tmp_path / "goodput.png"
+  shown = run_tool("tools.goodput", str(workdir), f"--plot={plot}")
+  assert shown.returncode == 0, shown.stderr
+  row = next(l for l in shown.stdout.splitlines() if l.startswith(
+      "| chief 2 | worker:0, killed by signal 9 |"))
+  assert [float(c) for c in row.strip("| ").split(" | ")[2:]] == (
+      pytest.approx([parts[p] for p in launch_record.PARTS]
+                    + [sum(parts.values())], abs=0.006))
+  assert plot.stat().st_size > 0
 
 
 def test_a_restart_waits_for_the_ports_of_the_stopped_cluster():

@@ -449,6 +449,12 @@ def test_chunk_seconds_take_each_action_from_its_column():
   durations = 10.0 * np.arange(1, 7)[None, None]
   assert timing.chunk_seconds(row, durations) == [
       (10.0, 50.0, 60.0, 110.0), (20.0, 30.0, 40.0, 70.0)]
+  # Compiled: micro-batch 0's F, then B, whole; I is B and W nothing.
+  row = timing.timing_row(2, jit_compile=True)
+  assert [f"{a}c{a.chunk}" for a in row] == ["F0c0", "F0c1", "B0c1", "B0c0"]
+  durations = 10.0 * np.arange(1, 5)[None, None]
+  assert timing.chunk_seconds(row, durations) == [
+      (10.0, 40.0, 0.0, 40.0), (20.0, 30.0, 0.0, 30.0)]
 
 
 def test_layer_costs_and_the_costs_of_chunks_from_them():

@@ -3,7 +3,8 @@
 Each mode with `--jit_compile` equals the same mode without it to 1e-4
 (XLA fuses and reorders float math, docs/modes.md#xla), crossed with the
 precisions and the sync reductions; a resume equals an uninterrupted run
-exactly with it on; what cannot compile is refused at parse time.
+exactly with it on, dropout included; what cannot compile is refused at
+parse time.
 """
 
 import keras
@@ -16,8 +17,10 @@ from dist_loop import configure, train
 from dist_loop.control import weights
 from dist_loop.core.errors import UserError
 from dist_loop.models import MODELS
+from dist_loop.parallel.modes.pipeline import planner, timing
+from dist_loop.runtime import devices
 from dist_loop.runtime.cluster import Cluster
-from helpers import make_trainer, variables
+from helpers import load_data, make_trainer, variables
 
 STEPS = 4
 TOLERANCE = 1e-4
@@ -83,6 +86,40 @@ def test_pipeline_per_chunk(small_config, tmp_path):
   assert compiled >= 2  # Each chunk's forward (and its gradient).
 
 
+def test_the_pipeline_planner_times_the_compiled_chunks(small_config,
+                                                        monkeypatch):
+  # The plan is made from the costs of what will run: each timer the
+  # planner runs (the layers alone, then the chunks alone and crowded)
+  # compiles its chunks' F, and its backward is B, not I and W.
+  timers = []
+
+  class Recorded(timing.ChunkTimer):
+    def durations(self):
+      timers.append(self)
+      return super().durations()
+
+  monkeypatch.setattr(timing, "ChunkTimer", Recorded)
+  config = configure.validate(small_config(
+      mode="pipeline", num_devices=2, num_stages=2, num_microbatches=2,
+      pipeline_schedule="1f1b", jit_compile=True,
+      # Two threads for one action: no crowded timing (it needs a core
+      # per device), which would compile every chunk once more.
+      intra_op_threads=2, inter_op_threads=1), Cluster())
+  plan = planner.plan(config, load_data(config), devices.configure(2, "cpu"))
+  assert len({id(t) for t in timers}) == 2  # The layers; the chunks.
+  for timer in {id(t): t for t in timers}.values():
+    chunks = len(timer.executor.chunks)
+    assert {a.kind for a in timer.row} == {"F", "B"}
+    graph = timer.step.get_concrete_function(*timer.inputs).graph
+    assert _xla_functions(graph) >= chunks  # Each chunk's F, compiled.
+  costs = plan.chosen.costs
+  assert all(f > 0 for f in costs.forward)
+  # A compiled chunk's backward is one action, timed as B.
+  assert costs.input_grad == costs.backward
+  assert all(b > 0 for b in costs.backward)
+  assert set(costs.weight_grad) == {0.0}
+
+
 def test_local_sgd(small_config, tmp_path):
   none, compiled = _equal_with_and_without(
       small_config, tmp_path, mode="local_sgd", num_devices=2, sync_every=2,
@@ -97,8 +134,13 @@ def test_async_with_one_worker(small_config, tmp_path):
   assert none == 0 and compiled == 1
 
 
-def test_resumed_equals_uninterrupted_with_jit(small_config, tmp_path):
+def test_resumed_equals_uninterrupted_with_jit_and_dropout(small_config,
+                                                          tmp_path):
+  # Dropout's masks are drawn inside the compiled step from its seed
+  # generators, whose state no checkpoint holds: each step's seeds come
+  # from the step (training/seeds.py), so the resumed steps draw the same.
   common = dict(num_devices=2, jit_compile=True, shard="gradients",
+                model="test_dropout_mlp", deterministic=True,
                 checkpoint_every=2, eval_every=4, log_every=2,
                 steps_per_loop=2, train_steps=4, optimizer="adam",
                 learning_rate=0.01)

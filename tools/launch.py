@@ -18,7 +18,12 @@ Every task runs the same command; only its `TF_CONFIG` differs:
 
 Each task's output goes to WORKDIR/logs/<task>.log (`--workdir` is read from
 the command; `--log_dir` overrides) and, prefixed with `[task]`, to the
-console. Ctrl-C and SIGTERM are forwarded to every training task (in a PS
+console. Beside the logs, WORKDIR/logs/launch.jsonl records what the
+launcher did, one JSON line per event (the cluster's start, a task's
+failure with its exit code and time, the others stopped, the wait for the
+ports, the start again, the exit; `dist_loop/runtime/launch_record.py`):
+goodput (`tools.goodput`, summary.json) splits the downtime of each restart
+by it. Ctrl-C and SIGTERM are forwarded to every training task (in a PS
 cluster, the servers are stopped once the chief has saved), and the
 launcher then exits 130 or 143. The launcher exits 0 once every
 training process exited 0 (then it stops the servers). If a task fails, it
@@ -72,6 +77,7 @@ from typing import Optional, Sequence
 
 # Re-exported: tests build clusters and reserve ports the way the launcher
 # does, and drive a Launcher.
+from dist_loop.runtime import launch_record
 from tools.local_cluster import cluster_spec, free_ports  # noqa: F401
 from tools.supervisor import Launcher, LaunchError
 
@@ -164,7 +170,8 @@ def _parse(argv: Sequence[str]) -> Launcher:
   launcher = Launcher(command, args.num_workers, args.num_ps, log_dir,
                       args.timeout_s, max_restarts=args.max_restarts,
                       cpus_per_task=args.cpus_per_task,
-                      verbosity=args.verbosity)
+                      verbosity=args.verbosity,
+                      record=os.path.join(log_dir, launch_record.FILE_NAME))
   launcher.data_service = (
       None if data_service_port is None else
       [sys.executable, "-m", "tools.data_service",

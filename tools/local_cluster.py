@@ -190,6 +190,7 @@ class Task:
     self._tail = collections.deque(maxlen=TAIL_LINES)
     self._reader: Optional[threading.Thread] = None
     self._exited_at: Optional[float] = None
+    self._exited_wall: Optional[float] = None
 
   def start(self, command, env, log_path, console_lock, quiet, header="",
             cpus=None):
@@ -213,7 +214,7 @@ class Task:
         target=self._pump, args=(console_lock, quiet), daemon=True,
         name=f"log-{self.name}")
     self._reader.start()
-    self._exited_at = None
+    self._exited_at = self._exited_wall = None
     threading.Thread(target=self._watch_exit, daemon=True,
                      name=f"exit-{self.name}").start()
 
@@ -224,11 +225,17 @@ class Task:
     except ChildProcessError:  # Already reaped: it has ended.
       pass
     self._exited_at = time.monotonic()
+    self._exited_wall = time.time()
 
   def exit_time(self) -> float:
     """When the process ended (monotonic clock); now if not noted yet."""
     return self._exited_at if self._exited_at is not None else (
         time.monotonic())
+
+  def exit_wall_time(self) -> float:
+    """When the process ended, as a wall time; now if not noted yet."""
+    return self._exited_wall if self._exited_wall is not None else (
+        time.time())
 
   def _pump(self, console_lock, quiet):
     with open(self.log_path, "a", encoding="utf-8") as log:

@@ -2,7 +2,10 @@
 task, watches them, and on a failure stops them all, or restarts the whole
 cluster (`--max_restarts`). `tools/launch.py` is its command line and says
 what each rule is for; `tools/local_cluster.py` has the addresses, the cores
-and the processes. This file does not import TensorFlow.
+and the processes. What it does (starts, failures, stops, waits, its exit)
+it appends to its record, `dist_loop/runtime/launch_record.py`, from which
+goodput splits the downtime of a restart. This file does not import
+TensorFlow.
 """
 
 import json
@@ -13,7 +16,7 @@ import threading
 import time
 from typing import Dict, Optional, Sequence
 
-from dist_loop.runtime import console
+from dist_loop.runtime import console, files
 from tools.local_cluster import (Task, available_cpus, cluster_spec,
                                  cpu_sets, wait_for_ports)
 
@@ -54,6 +57,8 @@ class Launcher:
     cpus_per_task: cores per task; None: `auto`, 0: unpinned
       (tools/launch.py).
     verbosity: as `--verbosity` (tools/launch.py).
+    record: the file its events are appended to
+      (`dist_loop/runtime/launch_record.py`), or None.
 
   Raises:
     LaunchError: a bad number, or more cores asked for than there are.
@@ -62,7 +67,7 @@ class Launcher:
   def __init__(self, command: Sequence[str], num_workers: int, num_ps: int = 0,
                log_dir: str = "logs", timeout_s: float = 0, quiet=False,
                max_restarts: int = 0, cpus_per_task: Optional[int] = None,
-               verbosity: int = 0):
+               verbosity: int = 0, record: Optional[str] = None):
     for name, value, low in (("num_workers", num_workers, 1),
                              ("num_ps", num_ps, 0),
                              ("max_restarts", max_restarts, 0),
@@ -79,6 +84,7 @@ class Launcher:
     self.max_restarts = max_restarts
     self.restarts = 0
     self.verbosity = verbosity
+    self.record = record
     self._lock = threading.Lock()
     self._interrupted = None  # The signal that asked us to stop.
     self.tasks = self._make_tasks()
@@ -128,6 +134,7 @@ class Launcher:
           "created") from None
     header = (f"[launch] restart {self.restarts} of {self.max_restarts}"
               if self.restarts else "")
+    started_at = time.time()
     for name, task in self.tasks.items():
       tf_config = json.dumps({"cluster": self.spec,
                               "task": {"type": task.job, "index": task.index}})
@@ -148,6 +155,8 @@ class Launcher:
       self._say(f"started {task.name} (pid {task.process.pid}){on}, log "
                 f"{log_path}")
       self._say(f"{task.name}: TF_CONFIG={tf_config}", level=1)
+    self._note("start", t=started_at, restart=self.restarts,
+               tasks={n: t.process.pid for n, t in self.tasks.items()})
 
   def interrupt(self, sig: int = signal.SIGINT) -> None:
     """Forwards Ctrl-C (SIGINT) or SIGTERM to every training task; `wait`
@@ -173,7 +182,7 @@ class Launcher:
         if (all(t.poll() is not None for t in self.tasks.values() if t.trains)
             or time.monotonic() - interrupted_at > 3 * STOP_GRACE_S):
           self.stop()
-          return 128 + self._interrupted
+          return self._exit(128 + self._interrupted)
       failed = self._check_failures()
       if failed is not None:
         task, code = failed
@@ -183,18 +192,23 @@ class Launcher:
           continue
         self._report(task, code)
         self.stop()
-        return code if code > 0 else 128 - code  # -N: killed by signal N.
+        self._note("stopped")
+        return self._exit(code if code > 0 else 128 - code)  # -N: signal N.
       trainers = [t for t in self.tasks.values() if t.trains]
       if all(t.poll() == 0 for t in trainers):
         self.stop()
         self._say("training finished; all tasks stopped")
-        return 0
+        return self._exit(0)
       if deadline is not None and time.monotonic() > deadline:
         self._say(f"timed out after {self.timeout_s:.0f} s; stopping all "
                   "tasks", level=-1)
         self.stop()
-        return 124
+        return self._exit(124)
       time.sleep(POLL_S)
+
+  def _exit(self, code: int) -> int:
+    self._note("exit", code=code)
+    return code
 
   def _check_failures(self):
     """The task that failed first of those that failed since the last look,
@@ -213,6 +227,7 @@ class Launcher:
       if self._interrupted:
         continue
       if task.job in self.tolerated_jobs:
+        self._note_failure(task, code, tolerated=True)
         self._report(task, code)
         self._say(f"{task.name} failed; the coordinator moves its work to "
                   "the other workers, training goes on", level=-1)
@@ -224,7 +239,12 @@ class Launcher:
     for task, _ in failed:
       if task is not first[0]:
         task.stopped = True  # It ended because `first` did.
+    self._note_failure(*first)
     return first
+
+  def _note_failure(self, task: Task, code: int, tolerated=False) -> None:
+    self._note("failed", t=task.exit_wall_time(), task=task.name, code=code,
+               detected=time.time(), tolerated=tolerated)
 
   def _restart(self, task: Task, code: int) -> None:
     """Stops every task and starts the cluster again, on the same ports
@@ -234,7 +254,10 @@ class Launcher:
               f"of {self.max_restarts}: stopping every task and restarting "
               f"the cluster (log {task.log_path})", level=-1)
     self.stop(RESTART_GRACE_S)
-    if not wait_for_ports(self.spec, PORT_WAIT_S):
+    self._note("stopped")
+    ports_free = wait_for_ports(self.spec, PORT_WAIT_S)
+    self._note("waited", ports_free=ports_free)
+    if not ports_free:
       self.spec = cluster_spec(self.num_workers, self.num_ps)
       self._say(f"the cluster's ports stayed taken for {PORT_WAIT_S:.0f} s; "
                 "restarting on new ports", level=-1)
@@ -262,6 +285,19 @@ class Launcher:
         task.process.wait(timeout=STOP_GRACE_S)
     for task in started:
       task.tail()  # Let the log pumps drain.
+
+  def _note(self, event: str, t: Optional[float] = None, **fields) -> None:
+    """Appends an event to the record (at `t`, default now); a failed write
+    is one warning and the end of the record, not of the launcher."""
+    if not self.record:
+      return
+    try:
+      files.append_json_line(self.record, {
+          "event": event, "t": time.time() if t is None else t, **fields})
+    except OSError as e:
+      self._say(f"cannot append to {self.record} ({e.strerror or e}); the "
+                "restarts are no longer recorded", level=-1)
+      self.record = None
 
   def _say(self, message: str, level: int = 0) -> None:
     """A launcher line, shown from `--verbosity=level` on (failures and

@@ -16,10 +16,12 @@ every action its `interrupted(step)` (the checkpoint action saves) and
 raises `Interrupted`.
 
 A third, `goodput` (`dist_loop/runtime/goodput.py`'s `Recorder`), is told the
-time of every inner loop, restore and action (by the action's `phase`), so the
-workdir's record says where the run's time went.
+time of every inner loop (and of its input waits, where the trainer measures
+them), restore and action (by the action's `phase`), so the workdir's record
+says where the run's time went.
 
-Of a trainer it uses `train`, `step` and `examples_per_step`.
+Of a trainer it uses `train`, `step`, `examples_per_step` and
+`input_wait_s`.
 """
 
 import contextlib
@@ -146,7 +148,8 @@ class Controller:
                          f"from {step} to {target}: the mode's train(n) must "
                          "advance it by exactly n")
     if self.goodput is not None:
-      self.goodput.loop(step, target, seconds)
+      self.goodput.loop(step, target, seconds,
+                        getattr(self.trainer, "input_wait_s", None) or 0.0)
     return Loop(step, target, metrics, skipped,
                 (target - step) * self.trainer.examples_per_step, seconds,
                 skipped_at_end)

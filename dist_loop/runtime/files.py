@@ -6,6 +6,10 @@ rename itself survives a power cut. A failure (a full disk, a directory in
 the target's place) raises `OSError` with the old file intact and no
 temporary file left.
 
+An append-only record (goodput's, the launcher's) is JSON lines instead:
+`append_json_line` adds one line in one write, so a crash leaves at most a
+last line cut short, which `complete_lines` leaves out.
+
 `reason` is what a one-line error says about any failed write, ours or
 TensorFlow's (a checkpoint, an events file): the operating system's words,
 "No space left on device", without the op and device names around them.
@@ -15,6 +19,7 @@ import json
 import os
 import re
 import tempfile
+from typing import List, Tuple
 
 
 def atomic_write_text(path: str, text: str) -> None:
@@ -47,6 +52,27 @@ def _sync_directory(directory: str) -> None:
 
 def atomic_write_json(path: str, data) -> None:
   atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def append_json_line(path: str, record) -> None:
+  """Appends `record` as one JSON line, in one write to a file opened for
+  appending. Raises OSError."""
+  line = json.dumps(record, sort_keys=True) + "\n"
+  fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+  try:
+    os.write(fd, line.encode("utf-8"))
+  finally:
+    os.close(fd)
+
+
+def complete_lines(path: str) -> List[Tuple[int, bytes]]:
+  """The non-blank lines of an append-only file as (line number, line),
+  without a last line cut short (no newline: a crash mid-write). Raises
+  OSError."""
+  with open(path, "rb") as f:
+    lines = f.read().split(b"\n")
+  del lines[-1]  # Empty after a final newline; else cut short.
+  return [(n, line) for n, line in enumerate(lines, 1) if line.strip()]
 
 
 def reason(error: BaseException) -> str:

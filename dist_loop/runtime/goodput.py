@@ -6,12 +6,17 @@ productive steps. Everything else is badput, in named phases:
 - `import`, `join`, `build`, `trace`: start-up. `import` is the time from
   the process's start (Linux: /proc/self/stat) to `train.run`; `join` is
   joining the cluster; `build` is devices, data and the trainer; `trace` is
-  what the first inner loop of an attempt took beyond its steps at the
-  attempt's steady pace (tracing, the input's first batch).
+  what the first inner loop of an attempt took beyond its input waits and
+  its steps at the steady pace (`Recorder.pace`): tracing, and with
+  `--jit_compile` XLA's compilation, which runs when the traced loop first
+  runs. The Goodput action prints the start-up once per attempt.
 - `restore`: reading a checkpoint, at start and at each rollback.
 - `recomputed`: steps trained again: those between the checkpoint an
   attempt restored and the furthest step an earlier attempt (or this one,
   before a rollback) reached. This is the work a crash lost.
+- `input`: the time steps waited for their input, where the mode measures
+  it (below; a trainer's `input_wait_s`); the steps' other time is
+  `productive` or `recomputed`.
 - `checkpoint`: the time a save blocked training (with
   `--async_checkpoint`, the copy to host and the wait for the previous
   save; at the end, the wait for the last one).
@@ -20,10 +25,24 @@ productive steps. Everything else is badput, in named phases:
   controller itself).
 - `downtime`: between attempts, from one attempt's last record to the next
   one's process start. A killed attempt's time after its last record is
-  here too.
+  here too. Where `tools.launch` restarted the run, its record
+  (`launch_record.py`) splits it into `downtime_unrecorded`, `_detect`,
+  `_stop`, `_wait` and `_restart`; `downtime_other` is what no launcher
+  restart explains (a rerun by hand, a scheduler's requeue).
 
-Input waits are not a phase of their own: every mode reads its input inside
-the traced loop, where the wait cannot be told apart from the step.
+**Input waits.** A mode on the loop base reads its input inside the traced
+loop: the loop takes a timestamp before and after the iterator's `next`,
+ordered by control dependencies, and adds the difference up; the
+iterations of the loop run one after another, so that is the time the step
+waited for its batch (with tf.data's prefetch, a few microseconds when the
+input keeps up). Under op determinism (`--deterministic`), which refuses
+timestamps, it is not measured. The async mode times each worker
+thread's `next_batch` on the host; a worker's wait overlaps the other
+workers' steps, so a loop's `input` is the workers' mean wait during it.
+ps does not measure it (`input_wait_s` None, the phase 0): its batches
+are read inside the functions the coordinator sends to the workers, and
+only the workers see those waits (each function would have to return its
+wait, per worker and call).
 
 The record, WORKDIR/goodput.jsonl (goodput.worker-1.jsonl for another
 process), is append-only JSON lines: each line is an attempt's cumulative
@@ -41,12 +60,17 @@ from typing import Dict, List, Optional, Sequence
 
 from absl import logging
 
+from dist_loop.runtime import files, launch_record
+
 GOODPUT_FILE = "goodput.jsonl"
 STARTUP = ("import", "join", "build", "trace")
 # Every phase of an attempt, in the order a table shows them; they sum to
 # the attempt's wall time.
-PHASES = (*STARTUP, "restore", "productive", "recomputed", "checkpoint",
-          "evaluation", "other")
+PHASES = (*STARTUP, "restore", "productive", "recomputed", "input",
+          "checkpoint", "evaluation", "other")
+# The parts of the downtime (`totals`): the launcher's, then the rest.
+DOWNTIME = (*launch_record.PARTS, "other")
+DOWNTIME_KEYS = tuple(f"downtime_{part}" for part in DOWNTIME)
 
 
 class CorruptRecord(ValueError):
@@ -104,11 +128,15 @@ class Recorder:
     clock: the attempt's `Clock` (its start and start-up phases).
     meta: what the record keeps about the run (checkpoint interval, the
       expected failure interval), written on every line.
+    launches: the launcher's record of the run (`launch_record.path`), read
+      for the totals' downtime; None or missing: not launched.
   """
 
   def __init__(self, path: Optional[str], clock: Clock,
-               meta: Optional[Dict[str, object]] = None):
+               meta: Optional[Dict[str, object]] = None,
+               launches: Optional[str] = None):
     self.path = path
+    self.launches = launches
     self.started = clock.started
     self.meta = dict(meta or {})
     self.phases = {phase: 0.0 for phase in PHASES}
@@ -119,8 +147,10 @@ class Recorder:
     self.furthest = max((a["furthest"] for a in self.earlier), default=0)
     self.restored: Optional[int] = None
     self.step = 0
-    self._first: Optional[List[float]] = None  # [steps, seconds, recomputed]
-    self._last_perf = time.perf_counter()
+    self.loops = 0
+    # The first loop, split when the pace is known: [steps, seconds beyond
+    # its input waits, recomputed steps].
+    self._first: Optional[List[float]] = None
 
   def restore(self, step: Optional[int], seconds: float) -> None:
     """A restore (at start or a rollback) to `step` (None: nothing)."""
@@ -129,11 +159,16 @@ class Recorder:
       self.restored = step or 0
     self.step = step or 0
 
-  def loop(self, start: int, end: int, seconds: float) -> None:
-    """An inner loop from `start` to `end`; its steps up to the furthest
-    step reached before are recomputed."""
+  def loop(self, start: int, end: int, seconds: float,
+           input_s: float = 0.0) -> None:
+    """An inner loop from `start` to `end` that took `seconds`, of which
+    its steps waited `input_s` for their input; its steps up to the
+    furthest step reached before are recomputed."""
     steps = end - start
     again = min(max(self.furthest - start, 0), steps)
+    input_s = min(max(input_s, 0.0), seconds)
+    self.phases["input"] += input_s
+    seconds -= input_s
     if self._first is None:
       self._first = [steps, seconds, again]
     else:
@@ -144,7 +179,22 @@ class Recorder:
       self.steps["productive"] += steps - again
     self.furthest = max(self.furthest, end)
     self.step = end
+    self.loops += 1
     self.write()
+
+  def pace(self) -> Optional[float]:
+    """Seconds per step at the steady pace, beyond input waits: this
+    attempt's loops after its first, else (before its second loop) the
+    earlier attempts'; None before any is known."""
+    # This attempt's steps and phases hold no first loop's: they are the
+    # steady state.
+    for phases, steps in [(self.phases, self.steps),
+                          *((a["phases"], a["steps"]) for a in
+                            reversed(self.earlier))]:
+      n = int(steps["productive"]) + int(steps["recomputed"])
+      if n:
+        return (phases["productive"] + phases["recomputed"]) / n
+    return None
 
   def add(self, phase: str, seconds: float) -> None:
     self.phases[phase] = self.phases.get(phase, 0.0) + seconds
@@ -158,9 +208,8 @@ class Recorder:
     steps = dict(self.steps)
     if self._first is not None:
       n, seconds, again = self._first
-      pace = (phases["productive"] + phases["recomputed"]) / max(
-          steps["productive"] + steps["recomputed"], 1)
-      work = min(seconds, n * pace) if pace else 0.0
+      pace = self.pace() or 0.0
+      work = min(seconds, n * pace)
       phases["trace"] += seconds - work
       share = work * again / n if n else 0.0
       phases["recomputed"] += share
@@ -179,13 +228,8 @@ class Recorder:
     leaves at most a last line cut short."""
     if not self.path:
       return
-    line = json.dumps(self.state(final), sort_keys=True) + "\n"
     try:
-      fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-      try:
-        os.write(fd, line.encode("utf-8"))
-      finally:
-        os.close(fd)
+      files.append_json_line(self.path, self.state(final))
     except OSError as e:  # A full disk: the run matters more than its record.
       logging.warning("Cannot append to %s (%s); this attempt's goodput is "
                       "no longer recorded.", self.path, e.strerror or e)
@@ -194,6 +238,30 @@ class Recorder:
   def attempts(self) -> List[Dict[str, object]]:
     """Every attempt of this process on the workdir, this one last."""
     return [*self.earlier, self.state()]
+
+  def totals(self) -> Dict[str, float]:
+    """`totals` over every attempt so far, with the launcher's record."""
+    return totals(self.attempts(), self._launch_events())
+
+  def _launch_events(self) -> List[Dict[str, object]]:
+    """The launcher's record, read anew (a restart appends to it); none if
+    there is none, and after a warning if it cannot be read."""
+    if not self.launches or not os.path.exists(self.launches):
+      return []
+    try:
+      return launch_record.read(self.launches)
+    except (OSError, launch_record.CorruptRecord) as e:
+      logging.warning("%s; the downtime is left unsplit.", e)
+      self.launches = None
+      return []
+
+  def startup(self) -> Dict[str, float]:
+    """This attempt's start-up, seconds by phase in the order they ran
+    (`trace` as the loops so far split the first; `restore` with the
+    rollbacks')."""
+    phases = self.state()["phases"]
+    return {p: phases[p] for p in ("import", "join", "build", "restore",
+                                   "trace")}
 
 
 def _earlier(path: Optional[str]) -> List[Dict[str, object]]:
@@ -216,44 +284,61 @@ def read(path: str) -> List[Dict[str, object]]:
     OSError: the file cannot be read.
     CorruptRecord: a complete line that is not a record.
   """
-  with open(path, "rb") as f:
-    data = f.read()
-  lines = data.split(b"\n")
-  if lines and lines[-1]:
-    lines = lines[:-1]  # Cut short by a crash mid-write: not recorded.
   attempts: Dict[float, Dict[str, object]] = {}
-  for number, line in enumerate(lines, 1):
-    if not line.strip():
-      continue
+  for number, line in files.complete_lines(path):
     try:
       record = json.loads(line.decode("utf-8"))
       key = float(record["started"]), int(record["pid"])
       float(record["t"])
       int(record["furthest"])
-      {str(k): float(v) for k, v in record["phases"].items()}
+      record["phases"] = {str(k): float(v)
+                          for k, v in record["phases"].items()}
     except (ValueError, KeyError, TypeError, AttributeError) as e:
       raise CorruptRecord(f"{path}, line {number}: not a goodput record "
                           f"({type(e).__name__})") from None
+    for phase in PHASES:  # A record of an earlier version lacks `input`.
+      record["phases"].setdefault(phase, 0.0)
     attempts[key] = record
   return sorted(attempts.values(), key=lambda a: a["started"])
 
 
-def totals(attempts: Sequence[Dict[str, object]]) -> Dict[str, float]:
+def downtime(previous: Dict[str, object], attempt: Dict[str, object],
+             events: Sequence[Dict[str, object]] = ()
+             ) -> Optional[Dict[str, float]]:
+  """The downtime between two attempts of one process, from `previous`'s
+  last record to `attempt`'s process start, by part (`DOWNTIME`): the
+  launcher's parts if its record `events` says it restarted `attempt`
+  (None otherwise: all of it is `other`)."""
+  end, started = float(previous["t"]), float(attempt["started"])
+  parts = launch_record.split(events, end, started, int(attempt["pid"]))
+  return None if parts is None else {**parts, "other": 0.0}
+
+
+def totals(attempts: Sequence[Dict[str, object]],
+           events: Sequence[Dict[str, object]] = ()) -> Dict[str, float]:
   """Seconds per phase over `attempts` (oldest first), with `downtime`
   between them, and `wall`, `goodput` (productive / wall), `attempts`,
-  `recomputed_steps`."""
+  `recomputed_steps`. If the launcher's record `events` restarted any
+  attempt, also the downtime's parts, `downtime_<part>` (`DOWNTIME`)."""
   out = {phase: 0.0 for phase in PHASES}
-  out["downtime"] = 0.0
-  previous_end = None
-  for attempt in attempts:
+  gaps = dict.fromkeys(DOWNTIME, 0.0)
+  launched = False
+  for previous, attempt in zip([None, *attempts], attempts):
     for phase, seconds in attempt["phases"].items():
       out[phase] = out.get(phase, 0.0) + float(seconds)
-    if previous_end is not None:
-      out["downtime"] += max(float(attempt["started"]) - previous_end, 0.0)
-    previous_end = float(attempt["t"])
-  wall = sum(out.values())
-  out["wall"] = wall
-  out["goodput"] = out["productive"] / wall if wall > 0 else 0.0
+    if previous is not None:
+      parts = downtime(previous, attempt, events)
+      launched = launched or parts is not None
+      if parts is None:
+        parts = {"other": max(float(attempt["started"])
+                              - float(previous["t"]), 0.0)}
+      for part, seconds in parts.items():
+        gaps[part] += seconds
+  out["downtime"] = sum(gaps.values())
+  if launched:
+    out.update((f"downtime_{part}", s) for part, s in gaps.items())
+  out["wall"] = sum(out[p] for p in out if p not in DOWNTIME_KEYS)
+  out["goodput"] = out["productive"] / out["wall"] if out["wall"] > 0 else 0.0
   out["attempts"] = len(attempts)
   out["recomputed_steps"] = sum(int(a["steps"]["recomputed"])
                                 for a in attempts)

@@ -1,6 +1,7 @@
 r"""Compute efficiency: training FLOP/s against the matmul peak.
 
     python -m tools.benchmarks.mfu [--quick]
+    python -m tools.benchmarks.mfu --profile_dir=DIR [--quick]
 
 The peak is what this machine reaches on a chain of square float32 matmuls
 in a `tf.function`, measured in the same run, interleaved with the models.
@@ -9,7 +10,19 @@ devices, each with and without `--jit_compile`, and by Keras `fit` with
 `jit_compile=True` on one device (the reference a Keras user gets), all
 interleaved in the same rounds; their FLOPs per step are counted from the
 shapes. MFU = model FLOP/s / peak FLOP/s; "vs fit xla" is fit's time over
-ours in the same round (above 1: ours is faster).
+ours in the same round (above 1: ours is faster). Each is a median over
+the rounds, with the rounds' min-max.
+
+Compile time: each loop's first call (the one that traces, and with XLA
+compiles, before the rounds) against a steady call of the same steps (the
+rounds' median): `first loop s` and `compile s`, their difference.
+
+Below the table, the issue's targets, each met or not: MFU at least 0.85
+for the MLP and 0.70 for the Transformer (every sync row), and our
+one-device loop with XLA at least as fast as fit with XLA (1.0x).
+
+`--profile_dir=DIR` instead profiles one step of the Transformer, without
+and with XLA, and prints its top ops by self time (`profile_step.py`).
 
 * An MLP, 4 x Dense(2048, relu) on 2048 features: a forward matmul costs
   2*B*in*out, the backward two more of the same size (gradients of the input
@@ -28,9 +41,10 @@ Bias adds, activations, layer norms, softmax and the update are not counted,
 so they show up as lost efficiency, as they should.
 """
 
+import argparse
 import os
 import statistics
-import sys
+import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -57,6 +71,11 @@ SIZES = {False: (512, 2048, 20, 5, 4, 5), True: (32, 512, 2, 1, 1, 1)}
 EXAMPLES = 2048
 # Our loops: (devices, --jit_compile), each beside Keras fit with XLA.
 VARIANTS = ((1, False), (1, True), (2, False), (2, True))
+FIT = "keras fit 1 device"
+# The issue's targets: each model's least MFU, and our one-device loop
+# with XLA against fit with XLA (fit's time over ours).
+MFU_TARGETS = {"mlp": 0.85, "transformer": 0.70}
+VS_FIT_TARGET = 1.0
 
 
 # Registered like any extension: one builder, one dataset, one name each.
@@ -110,10 +129,17 @@ def train_flops_per_step(batch, widths):
   return flops
 
 
+def _timed(fn) -> float:
+  t0 = time.perf_counter()
+  fn()
+  return time.perf_counter() - t0
+
+
 def _keras_fit_xla(names, flat, split, steps_per_loop, loops):
   """The reference: Keras `fit` with `jit_compile=True` on one device, no
   strategy (under one, Keras turns XLA off), the same model, batch and SGD,
-  `steps_per_execution` equal to our `steps_per_loop`."""
+  `steps_per_execution` equal to our `steps_per_loop`. Returns (train, the
+  first call's seconds)."""
   with tf.device(names[0]):
     model = models_lib.build_for(config(**flat), split)
     model.compile(optimizer=keras.optimizers.SGD(flat["learning_rate"]),
@@ -123,23 +149,45 @@ def _keras_fit_xla(names, flat, split, steps_per_loop, loops):
   dataset = tf.data.Dataset.from_tensor_slices(
       (split.train_x, split.train_y)).repeat().batch(
           flat["global_batch_size"], drop_remainder=True)
-  model.fit(dataset, epochs=1, steps_per_epoch=steps_per_loop, verbose=0)
+  first = _timed(lambda: model.fit(dataset, epochs=1,
+                                   steps_per_epoch=steps_per_loop, verbose=0))
 
   def train():  # The call above traced and compiled.
     model.fit(dataset, epochs=1, steps_per_epoch=loops * steps_per_loop,
               verbose=0)
-  return train
+  return train, first
 
 
 def _ours(names, flat, steps_per_loop, loops):
-  """dist_loop's sync trainer, trained as the controller calls it."""
+  """dist_loop's sync trainer, trained as the controller calls it.
+  Returns (train, the trainer, the first call's seconds)."""
   sync = trainer(names, flat)[1]
-  sync.train(steps_per_loop)  # Traces (and with XLA, compiles).
+  # Traces (and with XLA, compiles).
+  first = _timed(lambda: sync.train(steps_per_loop))
 
   def train():
     for _ in range(loops):
       sync.train(steps_per_loop)
-  return train, sync
+  return train, sync, first
+
+
+def _models(quick: bool, batch: int, steps_per_loop: int) -> dict:
+  """name -> (flat flags, matmul FLOPs per step, label)."""
+  layers, d, heads, seq_len, lm_batch = TRANSFORMER[quick]
+  _SEQ_LEN[0] = seq_len
+  common = dict(optimizer="sgd", learning_rate=1e-3,
+                steps_per_loop=steps_per_loop)
+  return {
+      "mlp": (dict(dataset="bench_features_2048", model="bench_mlp_4x2048",
+                   global_batch_size=batch, **common),
+              train_flops_per_step(batch, [WIDTH] * (DEPTH + 1) + [CLASSES]),
+              f"{DEPTH}x{WIDTH} MLP, batch {batch}, SGD"),
+      "transformer": (dict(dataset="bench_bytes", model="transformer",
+                           num_layers=layers, d_model=d, num_heads=heads,
+                           mlp_ratio=4, global_batch_size=lm_batch, **common),
+                      transformer_flops_per_step(lm_batch, seq_len, layers, d),
+                      f"Transformer L={layers} d={d} T={seq_len}, batch "
+                      f"{lm_batch}, SGD")}
 
 
 def run(quick: bool = False) -> dict:
@@ -159,34 +207,19 @@ def run(quick: bool = False) -> dict:
     return tf.reduce_sum(x)
 
   matmuls()
-  layers, d, heads, seq_len, lm_batch = TRANSFORMER[quick]
-  _SEQ_LEN[0] = seq_len
-  common = dict(optimizer="sgd", learning_rate=1e-3,
-                steps_per_loop=steps_per_loop)
-  models = {
-      "mlp": (dict(dataset="bench_features_2048", model="bench_mlp_4x2048",
-                   global_batch_size=batch, **common),
-              train_flops_per_step(batch, [WIDTH] * (DEPTH + 1) + [CLASSES]),
-              f"{DEPTH}x{WIDTH} MLP, batch {batch}, SGD"),
-      "transformer": (dict(dataset="bench_bytes", model="transformer",
-                           num_layers=layers, d_model=d, num_heads=heads,
-                           mlp_ratio=4, global_batch_size=lm_batch, **common),
-                      transformer_flops_per_step(lm_batch, seq_len, layers, d),
-                      f"Transformer L={layers} d={d} T={seq_len}, batch "
-                      f"{lm_batch}, SGD")}
-
   variants = {"matmul": lambda: float(matmuls())}
-  trainers, rows = [], []
-  for name, (flat, flops, label) in models.items():
+  trainers, rows, first = [], [], {}
+  for name, (flat, flops, label) in _models(quick, batch,
+                                             steps_per_loop).items():
     for n, xla in VARIANTS:
       key = (name, f"sync {n} device{'s' if n > 1 else ''}", xla)
-      variants[key], sync = _ours(names[:n], dict(
+      variants[key], sync, first[key] = _ours(names[:n], dict(
           flat, num_devices=n, jit_compile=xla), steps_per_loop, loops)
       trainers.append(sync)
       rows.append((key, flops, label))
-    key = (name, "keras fit 1 device", True)
-    variants[key] = _keras_fit_xla(names, flat, load_data(config(
-        **flat)), steps_per_loop, loops)
+    key = (name, FIT, True)
+    variants[key], first[key] = _keras_fit_xla(
+        names, flat, load_data(config(**flat)), steps_per_loop, loops)
     rows.append((key, flops, label))
   times = interleaved_times(variants, rounds)
   for sync in trainers:
@@ -199,21 +232,82 @@ def run(quick: bool = False) -> dict:
     name, loop, xla = key
     achieved = [loops * steps_per_loop * flops / s for s in times[key]]
     mfu = [a / p for a, p in zip(achieved, peaks)]
-    fit = times[(name, "keras fit 1 device", True)]
+    fit = times[(name, FIT, True)]
     vs_fit = [f / s for s, f in zip(times[key], fit)]
-    out.append({"model": label, "loop": loop, "xla": xla,
+    steady = statistics.median(times[key]) / loops  # One call's steps.
+    out.append({"name": name, "model": label, "loop": loop, "xla": xla,
                 "matmul peak GFLOP/s": statistics.median(peaks) / 1e9,
                 "peak spread": spread([p / 1e9 for p in peaks]),
                 "train GFLOP/s": statistics.median(achieved) / 1e9,
                 "train spread": spread([a / 1e9 for a in achieved]),
                 "MFU": statistics.median(mfu), "MFU spread": spread(mfu),
                 "vs fit xla": statistics.median(vs_fit),
-                "vs fit xla spread": spread(vs_fit), "rounds": rounds})
+                "vs fit xla spread": spread(vs_fit),
+                "first loop s": first[key],
+                "compile s": first[key] - steady, "rounds": rounds})
   columns = ["model", "loop", "xla", "matmul peak GFLOP/s", "peak spread",
              "train GFLOP/s", "train spread", "MFU", "MFU spread",
-             "vs fit xla", "vs fit xla spread"]
-  return {"rows": out, "table": markdown_table(out, columns)}
+             "vs fit xla", "vs fit xla spread", "first loop s", "compile s"]
+  return {"rows": out, "table": markdown_table(out, columns) + "\n\n"
+          + "\n".join(targets(out))}
+
+
+def targets(rows) -> list:
+  """The issue's targets, one line each, met or not (judged on medians)."""
+  def verdict(value, least):
+    return f"(target >= {least}): {'met' if value >= least else 'NOT met'}"
+
+  lines = []
+  for r in rows:
+    if r["loop"] != FIT:
+      lines.append(
+          f"- {r['model']}, {r['loop']}, {'XLA' if r['xla'] else 'no XLA'}"
+          f": MFU {r['MFU']:.3f} ({r['MFU spread']}) "
+          + verdict(r["MFU"], MFU_TARGETS[r["name"]]))
+  for r in rows:
+    if r["loop"] == "sync 1 device" and r["xla"]:
+      lines.append(
+          f"- {r['model']}, sync 1 device, XLA: {r['vs fit xla']:.3f}x Keras "
+          f"fit with XLA ({r['vs fit xla spread']}) "
+          + verdict(r["vs fit xla"], VS_FIT_TARGET))
+  return lines
+
+
+def profile(profile_dir: str, quick: bool = False) -> dict:
+  """Profiles one step of the Transformer on one device, without and with
+  XLA (`profile_step.py`); prints and returns each one's top ops."""
+  from tools.benchmarks import profile_step  # pylint: disable=g-import-not-at-top
+  names = devices.configure(2, "cpu")
+  flat = _models(quick, SIZES[quick][0], 1)["transformer"][0]
+  out = {}
+  for xla in (False, True):
+    name = "transformer_xla" if xla else "transformer"
+    _, sync = trainer(names[:1], dict(flat, num_devices=1, jit_compile=xla))
+    path = profile_step.capture(lambda: sync.train(1),  # pylint: disable=cell-var-from-loop
+                                os.path.join(profile_dir, name))
+    sync.close()
+    out[name] = profile_step.top_ops(path)
+    print(f"## {name}: one step's top ops by self time ({path})\n\n"
+          f"{profile_step.table(out[name])}\n", flush=True)
+  return out
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true",
+                      help="tiny sizes: checks the harness only")
+  parser.add_argument("--profile_dir", default=None,
+                      help="profile one Transformer step here instead")
+  args = parser.parse_args(argv)
+  if args.profile_dir is None:
+    print(run(args.quick)["table"])
+    return
+  if not args.profile_dir or (os.path.exists(args.profile_dir)
+                              and not os.path.isdir(args.profile_dir)):
+    parser.error(f"--profile_dir={args.profile_dir!r} is not a directory; "
+                 "name a new or an existing directory")
+  profile(args.profile_dir, args.quick)
 
 
 if __name__ == "__main__":
-  print(run(quick="--quick" in sys.argv)["table"])
+  main()

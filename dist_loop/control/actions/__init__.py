@@ -97,7 +97,8 @@ def standard(config, inputs: Inputs) -> List[Action]:
                         config.train_steps))
   goodput = []
   if inputs.goodput is not None:
-    goodput = [Goodput(config.log_every, inputs.goodput, summaries)]
+    goodput = [Goodput(config.log_every, inputs.goodput, summaries,
+                       compiles=config.jit_compile)]
     out += goodput
   parts = [lambda: {"mode": config.mode, "num_devices": config.num_devices},
            log.summary, evaluate.summary, *inputs.summary_parts,

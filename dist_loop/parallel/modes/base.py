@@ -53,6 +53,9 @@ class Trainer(abc.ABC):
     is_chief: whether this process writes summaries, summary.json,
       flags.txt and the kept checkpoints.
     examples_per_step: examples consumed by one step, for throughput.
+    input_wait_s: the seconds the last `train(n)` call's steps waited for
+      their input, or None where the mode does not measure it (goodput's
+      `input` phase, `dist_loop/runtime/goodput.py`).
   """
 
   Options = NoOptions
@@ -72,6 +75,7 @@ class Trainer(abc.ABC):
   step: tf.Variable
   loss_scale = None
   is_chief: bool = True
+  input_wait_s: Optional[float] = None
 
   # -- before TensorFlow starts: class methods on the config --
 

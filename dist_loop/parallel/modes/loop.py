@@ -13,10 +13,17 @@ rest, written once:
 1. **The input.** Built on first use from the step the run is at, so a
    resume or a rollback jumps to its position; read on the host and cut
    per replica in the traced step (`data/stream.py`, `_make_iterator`).
-   `close` and `on_restore` drop it (`_drop_input`).
+   `close` and `on_restore` drop it (`_drop_input`). The time each step
+   waits for its batch is summed between two timestamps around the
+   iterator's `next`: `input_wait_s` (`dist_loop/runtime/goodput.py` says
+   why that is the wait; None under `--deterministic`: op determinism
+   refuses timestamps).
 2. **The traced loop** (`_loop_fn`): `n` steps per `tf.function` call.
    A step runs `replica_step` on every replica (`run_replicas`), advances
    the step counter, then calls `after_step` (local SGD's sync every H).
+   Before `replica_step`, each replica writes the seeds of the model's
+   random layers from the step (`training/seeds.py`), so a resumed run
+   draws the dropout masks of an uninterrupted one.
 3. **The metrics cross the network once per loop.** Each replica sums its
    own step results; one all-gather at the end of the loop brings every
    replica's sums to every replica (`step.py`: `add_step`, `LoopSums`).
@@ -70,6 +77,7 @@ from dist_loop.core.errors import NonFiniteError
 from dist_loop.data import input_metrics, stream, train_dataset_fn
 from dist_loop.parallel.modes.base import Trainer, train_metrics
 from dist_loop.runtime import user_code
+from dist_loop.training import seeds
 from dist_loop.training import step as step_core
 
 Variant = Optional[Hashable]
@@ -160,6 +168,13 @@ class LoopTrainer(Trainer):
     """Traced after every step, in cross-replica context, once the step
     counter has advanced."""
 
+  def seeded_model(self):
+    """The model whose random layers (dropout) a step runs: their seeds
+    are written before each step (`training/seeds.py`). `model`, unless
+    the mode trains another copy (local SGD's `replica_model`); None: no
+    model, no seeds."""
+    return getattr(self, "model", None)
+
   def _make_iterator(self, dataset_fn):
     """The iterator of this process's training input, read once per step
     by the traced loop: the step's batch, or with a strategy the local
@@ -190,9 +205,11 @@ class LoopTrainer(Trainer):
     totals = step_core.LoopSums()
     keys = self.task.metric_names + self._mean_keys()
     applied: Dict[Variant, int] = {}
+    waited = 0.0
     for count, variant in segments:
-      rows, bad_step = self._loop(variant)(iterator,
-                                           tf.constant(count, tf.int64))
+      rows, bad_step, wait = self._loop(variant)(
+          iterator, tf.constant(count, tf.int64))
+      waited += float(wait)
       part = step_core.LoopSums(self.task.metric_names, self._mean_keys(),
                                 np.asarray(rows))
       totals.add(part, keys=keys)
@@ -206,6 +223,7 @@ class LoopTrainer(Trainer):
     extra = ({} if self.loss_scale is None else
              {"loss_scale": float(self.loss_scale.scale.numpy())})
     extra.update(input_metrics(self.dataset))  # data/bad_records, if any.
+    self.input_wait_s = None if self.config.deterministic else waited
     return train_metrics(self.task, totals.means(), skipped=totals.skipped,
                          skipped_at_end=totals.skipped_at_end, extra=extra)
 
@@ -246,8 +264,13 @@ class LoopTrainer(Trainer):
 
     replica_step = user_code.convert(self.replica_step)
     after_step = user_code.convert(self.after_step)
+    model = self.seeded_model()
+    random_states = [] if model is None else seeds.generator_states(model)
 
     def replica(batch, sums):
+      if random_states:  # A step's masks from the step (module docstring, 2).
+        seeds.reseed(random_states, self.config.seed, self.step,
+                     self._replica_index())
       out = replica_step(batch, variant)
       loss = out.shares["loss"]
       sums = step_core.add_step(
@@ -258,8 +281,19 @@ class LoopTrainer(Trainer):
         loss = self._sum_over_replicas(loss)
       return sums, out.applied, loss
 
-    def step(i, sums, bad_step):
-      batch = next(iterator)
+    timed = not self.config.deterministic  # Op determinism: no timestamps.
+
+    def step(i, sums, bad_step, waited):
+      if timed:
+        # The wait for the batch: the iterations run one after another,
+        # and the control dependencies order timestamp, next, timestamp.
+        t0 = tf.timestamp()
+        with tf.control_dependencies([t0]):
+          batch = next(iterator)
+        with tf.control_dependencies(tf.nest.flatten(batch)):
+          waited += tf.timestamp() - t0
+      else:
+        batch = next(iterator)
       if self.strategy is not None:  # Each replica's own.
         batch = stream.replica_batches(self.strategy, batch)
       sums, applied, loss = self.run_replicas(replica, batch, sums)
@@ -268,18 +302,18 @@ class LoopTrainer(Trainer):
       ends = self._ends_loop(self._first(applied), loss, skip_all, may_skip)
       if ends is not False:  # `train` raises.
         bad_step = tf.where(ends, self.step.read_value(), bad_step)
-      return i + 1, sums, bad_step
+      return i + 1, sums, bad_step, waited
 
-    def more(i, sums, bad_step):
-      del sums
+    def more(i, sums, bad_step, waited):
+      del sums, waited
       return tf.logical_and(i < num_steps, bad_step < 0)
 
     start = (tf.constant(0, tf.int64),
              self.run_replicas(lambda: step_core.zero_sums(keys)),
-             tf.constant(-1, tf.int64))
-    _, sums, bad_step = tf.while_loop(more, step, start)
+             tf.constant(-1, tf.int64), tf.constant(0.0, tf.float64))
+    _, sums, bad_step, waited = tf.while_loop(more, step, start)
     rows = self._first(self.run_replicas(self._gather, sums, keys))
-    return rows, bad_step
+    return rows, bad_step, waited
 
   def _mean_keys(self) -> Tuple[str, ...]:
     """The mode's mean keys and the recipe's (`clipped_fraction`)."""
@@ -331,10 +365,15 @@ class LoopTrainer(Trainer):
       return value
     return self.strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None)
 
+  def _replica_index(self):
+    """In replica context: the replica's index among all replicas."""
+    if self.strategy is None:
+      return 0
+    return tf.distribute.get_replica_context().replica_id_in_sync_group
+
   def _first(self, values):
     """The first replica's value of each (per-replica) value."""
     if self.strategy is None:
       return values
     return tf.nest.map_structure(
         lambda v: self.strategy.experimental_local_results(v)[0], values)
-

@@ -7,6 +7,10 @@ applies them to the master as they come, with the staleness policies. The
 step logic itself (`Worker.compute`, `Applier.offer`) has no threads, so
 tests can force any interleaving.
 
+`input_wait_s` is the mean over workers of the time their `next_batch`
+waited during the call: each worker waits for its own input while the
+others' steps go on.
+
 Each push is the gradient of one worker's batch of `--global_batch_size`
 examples, so an applied update sees as many examples as a sync step does,
 and `train(n)` applies n updates: dropped (too stale) and skipped (float16
@@ -125,6 +129,7 @@ class AsyncTrainer(Trainer, Reporting):
       session.start()
       self._session = session
     worker_steps = [w.steps for w in self.workers]
+    waits = [w.input_s for w in self.workers]
     t0 = time.perf_counter()
     try:
       tally = self._session.run(num_steps)
@@ -132,6 +137,9 @@ class AsyncTrainer(Trainer, Reporting):
       self.close()
       raise
     seconds = max(time.perf_counter() - t0, 1e-9)
+    # The workers' waits overlap each other's steps: their mean share.
+    self.input_wait_s = min(sum(w.input_s - before for w, before in zip(
+        self.workers, waits)) / len(self.workers), seconds)
     if tally.bad_step >= 0:
       self._end_session()  # The next `train` follows a rollback.
       raise NonFiniteError(tally.bad_step)

@@ -18,6 +18,7 @@ already halved scale (see applier.py). Other precisions add no scaling op.
 """
 
 import dataclasses
+import time
 from typing import Dict, List, Tuple
 
 import keras
@@ -74,6 +75,7 @@ class Worker:
     self.loss_scaled = loss_scaled
     self.jit_compile = jit_compile
     self.steps = 0  # Gradients computed; written by this worker's thread only.
+    self.input_s = 0.0  # Seconds `next_batch` waited; the same thread's.
     self._dataset = dataset
     self._seed = seed
     self._iterator = None
@@ -113,9 +115,13 @@ class Worker:
                                         scale)
 
   def next_batch(self) -> Tuple[tf.Tensor, tf.Tensor]:
+    """The next batch of this worker's shard; the wait adds to `input_s`."""
     if self._iterator is None:
       self.start_input(0)
-    return next(self._iterator)
+    t0 = time.perf_counter()
+    batch = next(self._iterator)
+    self.input_s += time.perf_counter() - t0
+    return batch
 
   def compute(self, version: int, read: List[tf.Tensor], x, y,
               loss_scale: float = 1.0) -> Push:

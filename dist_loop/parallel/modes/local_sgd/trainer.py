@@ -121,6 +121,9 @@ class LocalSGDTrainer(Mirrored, LoopTrainer, Reporting):
             "outer_optimizer": self.outer_optimizer,
             "replicas": self.replica_state}
 
+  def seeded_model(self):
+    return self.replica_model  # The copy a step trains.
+
   def loop_begin(self, start, num_steps):
     self.replica_state.apply()  # After a restore: each replica's own state.
     return super().loop_begin(start, num_steps)

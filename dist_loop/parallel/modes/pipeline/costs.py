@@ -2,12 +2,13 @@
 costs of a plan's chunks from them.
 
 `measure_traced` times each layer as a chunk of its own, as the executor
-runs it (`timing.py`), on the first micro-batch only (B = I + W), to
-partition the model; the planner then times each candidate's own chunks (a
-chunk of n layers pays one action's overhead, not n), alone and crowded.
-Under op determinism timestamps are refused, and `measure_layers` times
-each layer eagerly instead (rough: eager dispatch adds time per op that a
-traced step does not pay, a lot for small micro-batches).
+runs it (`timing.py`, compiled with `--jit_compile`), on the first
+micro-batch only (B = I + W), to partition the model; the planner then
+times each candidate's own chunks (a chunk of n layers pays one action's
+overhead, not n), alone and crowded. Under op determinism timestamps are
+refused, and `measure_layers` times each layer eagerly instead (rough:
+eager dispatch adds time per op that a traced step does not pay, a lot for
+small micro-batches; and never compiled, even with `--jit_compile`).
 
 Sizes are counted at layer boundaries: a layer's backward needs its input
 and (for its activation's derivative) its output, so a chunk keeps
@@ -109,9 +110,11 @@ def measure_layers(layers, input_shape, batch_size: int,
 
 
 def measure(layers, dataset, microbatch: int, input_dtype: str, task,
-            device: str, traced: bool = True) -> List[LayerCost]:
+            device: str, traced: bool = True,
+            jit_compile: bool = False) -> List[LayerCost]:
   """Each layer's costs on one micro-batch of `dataset`'s training data:
-  `measure_traced`, or `measure_layers` (eager) if not `traced`."""
+  `measure_traced` (compiled with `jit_compile`), or `measure_layers`
+  (eager, never compiled) if not `traced`."""
   sizes = measure_layers(layers, dataset.input_shape, microbatch, input_dtype,
                          repeats=0 if traced else 3)
   if not traced:
@@ -120,14 +123,16 @@ def measure(layers, dataset, microbatch: int, input_dtype: str, task,
   return measure_traced(layers, sizes,
                         tf.constant(dataset.train_x[:microbatch]),
                         tf.constant(dataset.train_y[:microbatch]), task,
-                        device)
+                        device, jit_compile=jit_compile)
 
 
 def measure_traced(layers, layer_costs: Sequence[LayerCost], x, y, task,
-                   device: str, repeats: int = 5) -> List[LayerCost]:
+                   device: str, repeats: int = 5,
+                   jit_compile: bool = False) -> List[LayerCost]:
   """`layer_costs` with the seconds of a traced run of each layer (each
-  layer a chunk of `timing.measure_chunks`; B taken as I + W: these only
-  balance the chunks, which are then timed themselves).
+  layer a chunk of `timing.measure_chunks`; B taken as I + W, or timed
+  itself when compiled: these only balance the chunks, which are then
+  timed themselves).
 
   Args:
     layers: the model's built layers.
@@ -136,10 +141,11 @@ def measure_traced(layers, layer_costs: Sequence[LayerCost], x, y, task,
     task: the run's task (the last layer's loss).
     device: where to run.
     repeats: timed runs (after one that traces).
+    jit_compile: each layer compiled as the run's chunks are.
   """
   measured, _ = timing.measure_chunks(
       [[layer] for layer in layers], x, y, task, [device], repeats=repeats,
-      backward=False)
+      backward=False, jit_compile=jit_compile)
   return [dataclasses.replace(cost, forward=f, input_grad=i, weight_grad=w,
                               backward=b)
           for cost, (f, i, w, b) in zip(layer_costs, measured)]

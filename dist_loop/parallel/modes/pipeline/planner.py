@@ -13,7 +13,8 @@ For a named schedule the only candidate is that schedule, cut into its
 chunks; for `--pipeline_schedule=auto` every registered schedule that can
 run (K, M, V) is one. Each candidate is partitioned into its own chunks (C
 = K*V), given its chunks' costs (timed as chunks when the run measures
-traced costs, `timing.py`, else summed from the layers'), and simulated
+traced costs, `timing.py`, compiled as the run's with `--jit_compile`,
+else summed from the layers'), and simulated
 (`simulator.py`) on the cores the devices share. Auto picks the fastest
 predicted step among the candidates whose predicted peak activation memory
 per device fits `--pipeline_memory_mb` (all of them without a budget), and
@@ -67,9 +68,10 @@ def plan(config, dataset, devices: Sequence[str],
     config: the run's `Config` (`mode_options` a `PipelineOptions`).
     dataset: the training data; one micro-batch of it is timed.
     devices: the run's devices; the first K (replica 0's) are timed on.
-    traced: time as the executor runs (`timing.py`), unless
+    traced: time as the executor runs (`timing.py`; with
+      `config.jit_compile` the compiled chunks), unless
       `config.deterministic` (op determinism refuses timestamps); else
-      time each layer eagerly: rougher, quicker to start.
+      time each layer eagerly: rougher, quicker to start, not compiled.
 
   Returns:
     The plan.
@@ -88,11 +90,13 @@ def plan(config, dataset, devices: Sequence[str],
   input_dtype = getattr(models.MODELS.get(config.model), "input_dtype",
                         "float32")
   layer_costs = costs_lib.measure(layers, dataset, microbatch, input_dtype,
-                                  task, devices[0], traced=traced)
+                                  task, devices[0], traced=traced,
+                                  jit_compile=config.jit_compile)
   cores = costs_lib.shared_cores(devices, config.intra_op_threads,
                                  config.inter_op_threads, replicas)
   measure = (timing.chunk_measurer(layers, dataset, microbatch, task,
-                                   devices[:k], options.recompute, cores)
+                                   devices[:k], options.recompute, cores,
+                                   config.jit_compile)
              if traced else None)
   candidates, skipped = make_candidates(
       options, layers, layer_costs,
