@@ -10,8 +10,8 @@ across its stages), local SGD at H=1 on one replica (clipping per inner
 step) and async with one worker (clipping per push; its step is the applied
 updates, so the schedule gives it the same rates). `train/clipped_fraction`
 is 1 in each. The ps mode clips per push on its workers with the same
-`Recipe.clip` (a multi-process run; not repeated here); its locked update's
-rate is tested in process.
+`Recipe.clip` (`tests/test_ps.py`'s multi-process run, clipped on every
+push); its locked update's rate is tested in process.
 """
 
 import numpy as np

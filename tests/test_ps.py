@@ -3,8 +3,9 @@
 In-process: the locked update (decision, write order, float16 rule), the
 stats vector, the atomic counter, the bounded wait and the mode's rules.
 Across processes (tools.launch): one run trains on TFRecord shards of the
-digits, with a bad record skipped and a worker killed mid-run, and a rerun
-on a new cluster resumes it on ArrayRecord shards until its PS is killed.
+digits, with a bad record skipped, every push clipped on its worker
+(`--clip_global_norm`) and a worker killed mid-run, and a rerun on a new
+cluster resumes it on ArrayRecord shards until its PS is killed.
 """
 
 import dataclasses
@@ -295,6 +296,9 @@ def test_workers_and_pss_serve_until_ctrl_c(monkeypatch, small_config):
 STEPS = 100
 KILL_WORKER_AT = 40
 MAX_STALENESS = 0  # The tightest bound: every applied gradient is fresh.
+# Far below every gradient's norm, so clipping acts on every push. Adam's
+# update hardly depends on the gradient's scale, so the run still learns.
+CLIP = 0.01
 
 
 @pytest.fixture(scope="module")
@@ -326,9 +330,10 @@ def _command(workdir, **overrides):
   flags = dict(mode="ps", dataset="digits", model="mlp", num_devices=1,
                global_batch_size=32, optimizer="adam", learning_rate=0.003,
                precision="mixed_float16", ps_steps_per_call=4,
-               max_staleness=MAX_STALENESS, train_steps=STEPS,
-               steps_per_loop=20, log_every=20, eval_every=1000,
-               checkpoint_every=1000, collective_timeout_s=60, seed=0)
+               max_staleness=MAX_STALENESS, clip_global_norm=CLIP,
+               train_steps=STEPS, steps_per_loop=20, log_every=20,
+               eval_every=1000, checkpoint_every=1000,
+               collective_timeout_s=60, seed=0)
   flags.update(overrides)
   return [sys.executable, "-m", "experiments.train",
           *[f"--{k}={v}" for k, v in flags.items()], f"--workdir={workdir}"]
@@ -355,8 +360,8 @@ def _processes(launcher):
 @pytest.fixture(scope="module")
 def killed_worker_run(tmp_path_factory, digits_shards):
   """A float16 run of 100 steps on TFRecord shards of the digits, each
-  worker reading its own files, a bad record skipped; worker:1 is killed at
-  step 40.
+  worker reading its own files, a bad record skipped, every push clipped;
+  worker:1 is killed at step 40.
 
   Two PSs: the variables are spread over both, and the lock on ps:0 still
   orders every update.
@@ -428,6 +433,36 @@ def test_ps_trains_digits_within_the_bound_despite_a_killed_worker(
   accuracy = Evaluator(model, load_data(config), 256).evaluate()
   np.testing.assert_allclose(accuracy["eval/accuracy"], s["eval_accuracy"],
                              atol=1e-6)
+  _assert_every_push_was_clipped(workdir, model)
+
+
+def _assert_every_push_was_clipped(workdir, model):
+  """Clipping acted on every applied push, on its worker: each log line's
+  fraction is 1 while the norm it reports (before clipping) is far above
+  the bound; and Adam's second moments, read from the checkpoint, hold a
+  gradient of global norm CLIP at every applied update.
+
+  Adam's velocity v is an average of squared gradients: after n updates of
+  global norm g_t, sum(v) = (1 - b2) * sum_t b2**(n - t) * g_t**2, which is
+  CLIP**2 * (1 - b2**n) if every g_t is CLIP. Unclipped, the norms the log
+  lines report (over 10 * CLIP) make it over 100 times larger. The one
+  update the kill may leave part-done (see the calling test) moves it by
+  about 1%; a checkpoint not read would leave n = 0.
+  """
+  events = read_events(str(workdir / LOGDIR))
+  clipped = events["train/clipped_fraction"]
+  assert sorted(clipped) == sorted(events["train/loss"])  # Every log line.
+  assert set(clipped.values()) == {1.0}
+  assert min(events["train/grad_norm"].values()) > 10 * CLIP
+  adam = optim.make("adam", 0.003, model.trainable_variables)
+  tf.train.Checkpoint(optimizer=adam).read(
+      tf.train.latest_checkpoint(str(workdir / "checkpoints"))
+  ).expect_partial()
+  n = int(adam.iterations.numpy())
+  assert STEPS <= n <= STEPS + 1
+  velocity = sum(float(tf.reduce_sum(v)) for v in adam.variables
+                 if "velocity" in v.name)
+  assert velocity == pytest.approx(CLIP**2 * (1 - adam.beta_2**n), rel=0.02)
 
 
 def test_a_killed_ps_stops_the_run_and_a_rerun_resumes(killed_worker_run,
