@@ -348,10 +348,14 @@ def test_a_run_that_trains_does_so_as_a_new_process_with_its_own_lines(
                   r"eta \d+:\d\d:\d\d$",
       "eval": r"^step 2  eval/loss \S+  eval/accuracy \S+$",
       "checkpoint": r"^step ([12])  saved checkpoint \S+ckpt-\1$",
+      "start-up": r"^start-up [\d.]+ s: import [\d.]+ s, .*trace [\d.]+ s",
   }
   seen = [[k for k, regex in kinds.items() if re.match(regex, line)]
           for line in text]
   # Nothing else: TensorFlow's lines would pass through our format too.
+  # One start-up line (goodput's phases), once the steady step is known.
+  assert sum(k == ["start-up"] for k in seen) == 1, "\n".join(text)
+  seen = [k for k in seen if k != ["start-up"]]
   every_step = ["checkpoint"] if "--checkpoint_every=1" in args else []
   assert seen == [["banner"], ["progress"], *[[k] for k in every_step],
                   ["progress"], ["eval"], ["checkpoint"]], "\n".join(text)
