@@ -263,6 +263,25 @@ def test_the_phases_with_input_waits_add_up_to_the_wall_time(tmp_path,
   assert sum(phases.values()) == pytest.approx(now[0])
 
 
+def test_a_step_on_one_thread_is_not_counted_as_its_input_wait(tmp_path):
+  """With one inter-op thread (a worker pinned to one core), the batch's
+  second timestamp used to queue behind the step's own ops, so the step's
+  whole compute was counted as `input`: 27x the productive time here. The
+  step now starts only after that timestamp. The input is in memory and
+  prefetched, so its real wait is a small part of the steps' time."""
+  workdir = tmp_path / "run"
+  result = run_tool("experiments.train", "--dataset=pysource",
+                    "--model=transformer", "--seq_len=64", "--num_layers=1",
+                    "--d_model=64", "--num_heads=2", "--global_batch_size=8",
+                    "--num_devices=1", "--train_steps=100", "--log_every=50",
+                    "--eval_every=100", "--inter_op_threads=1",
+                    "--intra_op_threads=1", f"--workdir={workdir}")
+  assert result.returncode == 0, result.stderr[-3000:]
+  with open(workdir / "summary.json", encoding="utf-8") as f:
+    written = json.load(f)
+  assert 0 <= written["goodput_input_s"] < written["goodput_productive_s"] / 4
+
+
 def test_async_workers_waits_for_input_are_timed(small_config, monkeypatch):
   start_input = Worker.start_input
 

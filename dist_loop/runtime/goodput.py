@@ -33,12 +33,15 @@ productive steps. Everything else is badput, in named phases:
 **Input waits.** A mode on the loop base reads its input inside the traced
 loop: the loop takes a timestamp before and after the iterator's `next`,
 ordered by control dependencies, and adds the difference up; the
-iterations of the loop run one after another, so that is the time the step
-waited for its batch (with tf.data's prefetch, a few microseconds when the
-input keeps up). Under op determinism (`--deterministic`), which refuses
-timestamps, it is not measured. The async mode times each worker
-thread's `next_batch` on the host; a worker's wait overlaps the other
-workers' steps, so a loop's `input` is the workers' mean wait during it.
+iterations of the loop run one after another, and the step's ops wait for
+the second timestamp (with one inter-op thread, as on a worker pinned to
+one core, that timestamp would otherwise run after them), so that is the
+time the step waited for its batch (with tf.data's prefetch, a few
+microseconds when the input keeps up). Under op determinism
+(`--deterministic`), which refuses timestamps, it is not measured. The
+async mode times each worker thread's `next_batch` on the host; a
+worker's wait overlaps the other workers' steps, so a loop's `input` is
+the workers' mean wait during it.
 ps does not measure it (`input_wait_s` None, the phase 0): its batches
 are read inside the functions the coordinator sends to the workers, and
 only the workers see those waits (each function would have to return its

@@ -285,12 +285,17 @@ class LoopTrainer(Trainer):
     def step(i, sums, bad_step, waited):
       if timed:
         # The wait for the batch: the iterations run one after another,
-        # and the control dependencies order timestamp, next, timestamp.
+        # and the control dependencies order timestamp, next, timestamp,
+        # step. The step waits for the second timestamp: on one inter-op
+        # thread it would otherwise queue behind the step's own ops.
         t0 = tf.timestamp()
         with tf.control_dependencies([t0]):
           batch = next(iterator)
         with tf.control_dependencies(tf.nest.flatten(batch)):
-          waited += tf.timestamp() - t0
+          t1 = tf.timestamp()
+        with tf.control_dependencies([t1]):
+          batch = tf.nest.map_structure(tf.identity, batch)
+        waited += t1 - t0
       else:
         batch = next(iterator)
       if self.strategy is not None:  # Each replica's own.
