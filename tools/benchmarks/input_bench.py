@@ -4,8 +4,9 @@
   in-memory digits, TFRecord and ArrayRecord digits shards, ArrayRecord
   text shards.
 * **train**: training from shards against training from memory, examples/s
-  (the seed CNN on digits, the Transformer on pysource), and their ratio;
-  the target is a ratio of at least 0.97.
+  (the seed CNN on digits, the Transformer on pysource, each from TFRecord
+  and from ArrayRecord shards), and their ratio; the target is a ratio of
+  at least 0.97.
 * **jpeg**: an input-bound pipeline (JPEG records decoded, cropped and
   flipped on the fly) with 1 parallel call, with one per core, and on a
   local tf.data service of 2 workers.
@@ -83,7 +84,7 @@ def _read_rows(root: str, quick: bool):
     shard_writer.write(digits, fmt, 4, out, 0, {"dataset": "digits"})
     sources[f"{fmt} (digits)"] = shards.load(out, 0).train_x.train_dataset_fn(
         BATCH, 0, 0)
-  text = _text_shards(root, quick)
+  text = _text_shards(root, quick, "arrayrecord")
   sources["arrayrecord (text)"] = shards.load(
       text, 0).train_x.train_dataset_fn(BATCH, 0, 0)
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
@@ -94,28 +95,27 @@ def _read_rows(root: str, quick: bool):
   return [_row("read", name, r) for name, r in rates.items()]
 
 
-def _text_shards(root: str, quick: bool) -> str:
-  out = os.path.join(root, "pysource")
+def _text_shards(root: str, quick: bool, fmt: str) -> str:
+  out = os.path.join(root, f"pysource_{fmt}")
   if not os.path.exists(out):
     flat = dict(dataset="pysource", model="transformer",
                 seq_len=32 if quick else 128)
     loaded = common.load_data(common.config(**flat))
-    shard_writer.write(loaded, "arrayrecord", 4, out, 0, {"dataset":
-                                                          "pysource"})
+    shard_writer.write(loaded, fmt, 4, out, 0, {"dataset": "pysource"})
   return out
 
 
 def _train_rows(root: str, quick: bool):
   steps, rounds = SIZES[quick][1], SIZES[quick][2]
   names = devices.configure(4, "cpu")[:1]  # As the other suites.
-  cases = {
-      "cnn on digits": (dict(dataset="digits", model="cnn"),
-                        os.path.join(root, "digits_arrayrecord")),
-      "transformer on pysource": (
-          dict(dataset="pysource", model="transformer",
-               seq_len=32 if quick else 128),
-          _text_shards(root, quick)),
-  }
+  cases = {}  # Each model from each format's shards (`_read_rows` wrote
+  for fmt in shard_format.FORMATS:  # the digits').
+    cases[f"cnn on digits, {fmt}"] = (
+        dict(dataset="digits", model="cnn"),
+        os.path.join(root, f"digits_{fmt}"))
+    cases[f"transformer on pysource, {fmt}"] = (
+        dict(dataset="pysource", model="transformer",
+             seq_len=32 if quick else 128), _text_shards(root, quick, fmt))
   rows = []
   for name, (flat, shard_dir) in cases.items():
     base = dict(global_batch_size=BATCH, optimizer="adam",
