@@ -104,6 +104,8 @@ def _run(config, flags_text, cluster):
     dataset = data.load(config, models.image_size_for(config.model))
     # What the loader did not declare, the loaded data tells.
     configure.check_fit(config.model, config.dataset, data.given(dataset))
+    # TFRecord shards: a file per input pipeline, as this mode counts them.
+    data.check_pipelines(dataset, mode.input_pipelines(config, cluster))
     try:
       trainer = build_trainer(config, device_names, dataset, cluster)
       clock.lap("build")

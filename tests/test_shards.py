@@ -71,7 +71,7 @@ def test_an_epoch_covers_each_example_once_over_replicas_and_processes(
     halves = [set(sum((sum(s, []) for s in p), [])) for p in two]
     assert not halves[0] & halves[1]
     with pytest.raises(UserError, match="4 TFRecord train shards for 8 "
-                       "processes"):  # ...so there must be one per process.
+                       "input pipelines"):  # ...so one at least for each.
       _ids(fn, 1, 1, pipelines=8)
 
 

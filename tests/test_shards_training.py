@@ -1,6 +1,8 @@
 """Training from shards equals training from memory: the seed CNN on digits
 over 2 devices, the Transformer on text; a run begun in memory resumed on
-shards, over 2 devices, equals an uninterrupted run on shards."""
+shards, over 2 devices, equals an uninterrupted run on shards. Bad
+records, and TFRecord files too few for the run's input pipelines, are
+one line."""
 
 import json
 import os
@@ -173,6 +175,57 @@ def test_the_bad_record_count_is_the_runs_over_a_resume_in_async_mode(
     counts = read_events(os.path.join(workdir, "tb"))[
         "train/data/bad_records"]
     assert counts[max(counts)] == 2
+
+
+@pytest.fixture(scope="module")
+def tfrecord_files(tmp_path_factory):
+  """Digits as TFRecord shards: {train files: directory}, 1 and 2."""
+  root = tmp_path_factory.mktemp("tfrecord_files")
+  digits = data.DATASETS.get("digits")(None, 0, None)
+  out = {}
+  for n in (1, 2):
+    out[n] = str(root / f"files{n}")
+    shard_writer.write(digits, "tfrecord", n, out[n], 0, {"dataset": "digits"})
+  return out
+
+
+def _ps_chief_of(num_workers, monkeypatch):
+  """This process as the chief of a ps cluster whose other tasks never
+  start (nothing connects to them before the trainer is built)."""
+  from tools import local_cluster  # pylint: disable=g-import-not-at-top
+  spec = local_cluster.cluster_spec(num_workers, 1)
+  monkeypatch.setenv("TF_CONFIG", json.dumps(
+      {"cluster": spec, "task": {"type": "chief", "index": 0}}))
+  monkeypatch.setenv("GRPC_FAIL_FAST", "use_caller")  # The chief sets it.
+  return ["--mode=ps", "--join_timeout_s=1"]
+
+
+@pytest.mark.parametrize("mode", ["async", "ps"])
+def test_fewer_tfrecord_files_than_input_pipelines_is_refused_at_start(
+    tfrecord_files, tmp_path, monkeypatch, mode):
+  """Each input pipeline reads its own TFRecord files: async's 2 worker
+  threads in one process, the 2 workers of a ps cluster (its chief reads
+  none). One file is refused before the trainer is built, in one line,
+  and the refused run leaves no workdir."""
+  run = (["--mode=async", "--async_workers=2"] if mode == "async"
+         else _ps_chief_of(2, monkeypatch))
+  workdir = str(tmp_path / "run")
+  common = [*run, "--num_devices=1", "--dataset=shards", "--model=mlp",
+            "--global_batch_size=16", "--train_steps=4",
+            f"--workdir={workdir}"]
+  code, _, err = run_main(*common, f"--data_dir={tfrecord_files[1]}")
+  assert code == 1, err
+  lines = err.strip().splitlines()
+  assert len(lines) == 1 and "Traceback" not in err, err
+  assert lines[0].startswith(
+      f"error: {tfrecord_files[1]} has 1 TFRecord train shard for 2 input "
+      "pipelines"), err
+  assert lines[0].endswith("python -m tools.make_shards --num_shards a "
+                           "multiple of 2"), err
+  assert not os.path.exists(workdir)
+  if mode == "ps":  # 2 files are enough for 2 workers: on to the servers.
+    code, _, err = run_main(*common, f"--data_dir={tfrecord_files[2]}")
+    assert code == 1 and "did not start within --join_timeout_s=1" in err, err
 
 
 @pytest.mark.timeout(240)

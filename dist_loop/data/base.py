@@ -86,6 +86,12 @@ class InputColumn(abc.ABC):
   def eval_dataset(self, batch_size: int):
     """The held-out split, in order, last partial batch kept."""
 
+  def check_pipelines(self, pipelines: int) -> None:
+    """Refuses (`UserError`) a training input cut into `pipelines` input
+    pipelines that this column cannot feed; any number, unless a column
+    says otherwise (TFRecord shards: a file per pipeline)."""
+    del pipelines
+
 
 DATASETS: Registry = Registry("dataset", "dataset")
 
@@ -138,6 +144,18 @@ def load(config, image_size: Optional[int]) -> Dataset:
   _check_declaration(dataset, config.dataset,
                      gives(config.dataset, image_size))
   return dataset
+
+
+def check_pipelines(dataset: Dataset, pipelines: int) -> None:
+  """Refuses a dataset whose training input cannot be cut into `pipelines`
+  input pipelines (the run's mode says how many: `Trainer.input_pipelines`),
+  before anything is written. Arrays feed any number.
+
+  Raises:
+    UserError: one line naming the data and the fix.
+  """
+  if isinstance(dataset.train_x, InputColumn):
+    dataset.train_x.check_pipelines(pipelines)
 
 
 def _check_declaration(dataset: Dataset, name: str, declared: Gives) -> None:

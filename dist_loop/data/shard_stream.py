@@ -18,22 +18,23 @@ in-memory datasets' own permutation (an argsort of stateless uniforms:
 8 bytes per example per epoch), so a run begun on in-memory data continues
 on the same data as shards exactly. Either way N devices = 1 device.
 
-**TFRecord (sequential)**: process p of P reads its own files, p, p+P, ...
-Its epoch e is those files in an order drawn from (seed, e), each read
-front to back; consecutive records make its local replicas' batches. A
-resume at step s is position s * (local examples per step) of that
-stream: whole files before it are skipped by the manifest's counts, and
-at most one file is read up to the position. The position is a function
-of the step, so the checkpoint's step is the iterator's state. With one
-process, N devices = 1 device; with P processes, each epoch covers every
-record once when the processes' files hold equal counts (`make_shards`
-balances them; --num_shards a multiple of P).
+**TFRecord (sequential)**: input pipeline p of P (a training process; an
+async or ps worker) reads its own files, p, p+P, ..., so there must be P
+files at least (`Split.check_pipelines`, which a run calls before it
+writes anything). Its epoch e is those files in an order drawn from (seed,
+e), each read front to back; consecutive records make its local replicas'
+batches. A resume at step s is position s * (local examples per step) of
+that stream: whole files before it are skipped by the manifest's counts,
+and at most one file is read up to the position. The position is a
+function of the step, so the checkpoint's step is the iterator's state.
+With one process, N devices = 1 device; with P processes, each epoch
+covers every record once when the processes' files hold equal counts
+(`make_shards` balances them; --num_shards a multiple of P).
 
 A record that does not match the spec stops the input with its file and
 index (`SPEC_ERROR` in the error's message: `describe_error`).
 """
 
-import os
 import re
 import threading
 from typing import Any, Dict, List, Optional, Tuple
@@ -63,6 +64,7 @@ class Split:
 
   def __init__(self, data_dir: str, manifest: Dict[str, Any], split: str,
                image_size: Optional[int]):
+    self.data_dir, self.split = data_dir, split
     self.format = manifest["format"]
     self.paths = shard_format.paths(data_dir, manifest, split)
     self.counts = shard_format.counts(manifest, split)
@@ -133,16 +135,30 @@ class Split:
 
   # -- sequential --
 
+  def check_pipelines(self, pipelines: int) -> None:
+    """Refuses TFRecord shards too few for `pipelines` input pipelines:
+    each reads its own files (p, p+P, ...), so each needs one at least.
+    ArrayRecord shards feed any number.
+
+    Raises:
+      UserError: one line naming the directory, the counts and the fix.
+    """
+    files = len(self.paths)
+    if self.format != "tfrecord" or files >= pipelines:
+      return
+    raise UserError(
+        f"{self.data_dir} has {files} TFRecord {self.split} "
+        f"shard{'s' * (files != 1)} for {pipelines} input pipelines (one "
+        f"per training process; per worker under --mode=async and "
+        f"--mode=ps), each of which reads its own files; make the shards "
+        f"again with python -m tools.make_shards --num_shards a multiple "
+        f"of {pipelines}")
+
   def records(self, files_of, seed: int, start: int, pipeline: int,
               pipelines: int) -> tf.data.Dataset:
     """This pipeline's (serialized, file, index) stream of TFRecords from
     its position `start`, epoch after epoch."""
-    if len(self.paths) < pipelines:
-      raise UserError(
-          f"{os.path.dirname(self.paths[0])} has {len(self.paths)} TFRecord "
-          f"train shards for {pipelines} processes, each of which reads "
-          f"its own; make the shards again with --num_shards a multiple of "
-          f"{pipelines}")
+    self.check_pipelines(pipelines)  # A backstop: `run` checks at start.
     # Sliced in the graph: under --mode=ps, `pipeline` is a tensor, drawn
     # on the worker from a counter on a parameter server.
     paths = tf.constant(self.paths)[pipeline::pipelines]

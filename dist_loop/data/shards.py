@@ -17,6 +17,9 @@ each other (`shard_format.check_files`): a missing, unreadable, truncated
 or empty shard, or one the manifest miscounts, is one line naming it.
 Those checks read no shard's contents; the checksums, which read them all,
 are opt-in (`--verify_checksums`, or once: `tools.make_shards --verify`).
+The loader knows no cluster: the run checks that TFRecord shards have a
+train file for each of its input pipelines (`Column.check_pipelines`,
+called through `data.check_pipelines`) before it writes anything.
 """
 
 import dataclasses
@@ -96,6 +99,9 @@ class Column(InputColumn):
 
   def eval_dataset(self, batch_size: int):
     return shard_stream.eval_dataset(self._split, batch_size)
+
+  def check_pipelines(self, pipelines: int) -> None:
+    self._split.check_pipelines(pipelines)
 
 
 def _skipper(dataset: Dataset) -> Optional[bad_records.Skipper]:

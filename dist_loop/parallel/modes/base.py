@@ -86,6 +86,16 @@ class Trainer(abc.ABC):
     return config.num_devices
 
   @classmethod
+  def input_pipelines(cls, config: Config, cluster: Cluster) -> int:
+    """Input pipelines the training input is cut into, over all processes
+    (`tf.distribute.InputContext.num_input_pipelines`; TFRecord shards need
+    a file for each, checked before anything is written): one per
+    training process, as the loop base reads it (`stream.replica_input`).
+    A mode whose workers read their own pipelines says so (async, ps)."""
+    del config
+    return max(cluster.num_trainers, 1)
+
+  @classmethod
   def validate(cls, config: Config, cluster: Cluster) -> None:
     """Mode-specific rules, checked before any work. Raises UserError."""
     check_divisible(config.global_batch_size,

@@ -64,6 +64,11 @@ class AsyncTrainer(Trainer, Reporting):
     return config.mode_options.async_workers or config.num_devices
 
   @classmethod
+  def input_pipelines(cls, config, cluster) -> int:
+    del cluster
+    return cls.num_workers(config)  # Each worker reads its own (worker.py).
+
+  @classmethod
   def validate(cls, config, cluster) -> None:
     super().validate(config, cluster)
     straggler_lib.check(config.mode_options.straggler,

@@ -83,6 +83,11 @@ class PSTrainer(Trainer, Reporting):
     return 1  # A step is one worker's batch of --global_batch_size examples.
 
   @classmethod
+  def input_pipelines(cls, config, cluster) -> int:
+    del config
+    return cluster.num_workers  # The chief reads none (`_dataset_fn`).
+
+  @classmethod
   def validate(cls, config, cluster) -> None:
     if not (cluster.num_ps and cluster.num_workers
             and cluster_lib.CHIEF in cluster.spec):
