@@ -35,8 +35,8 @@ A record that does not match the spec stops the input with its file and
 index (`SPEC_ERROR` in the error's message: `describe_error`).
 """
 
+import queue
 import re
-import threading
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -194,24 +194,33 @@ def read_file(path, skip):
 
 
 class _ArrayRecords:
-  """Records by global index from a split's ArrayRecord files; a reader
-  per file and per tf.data thread, opened on first use.
+  """Records by global index from a split's ArrayRecord files.
 
-  Each record is a seek and a read on a reader without parallelism: the
-  reader's list read hands every record to its thread pool, which costs
-  about three times the CPU per record, and tf.data's parallel calls are
-  the parallelism here."""
+  Readers are kept in a pool of sets, one file's reader each, a set used by
+  one call at a time: tf.data calls from its own threads, whose Python
+  thread state (and so a `threading.local`) lives for one call only, which
+  would open every file again at every batch. Each record is a seek and a
+  read on a reader without parallelism: the reader's list read hands every
+  record to its thread pool, which costs about three times the CPU per
+  record, and tf.data's parallel calls are the parallelism here."""
 
   def __init__(self, paths: List[str], counts: List[int]):
     self._paths = paths
     self._starts = np.cumsum([0] + list(counts))
-    self._local = threading.local()
+    self._idle = queue.SimpleQueue()  # Reader sets not in use.
 
   def read(self, indices: np.ndarray) -> np.ndarray:
+    try:
+      readers = self._idle.get_nowait()
+    except queue.Empty:
+      readers = {}
+    try:
+      return self._read(readers, indices)
+    finally:
+      self._idle.put(readers)
+
+  def _read(self, readers, indices: np.ndarray) -> np.ndarray:
     from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
-    readers = getattr(self._local, "readers", None)
-    if readers is None:
-      readers = self._local.readers = {}
     file_of = np.searchsorted(self._starts, indices, side="right") - 1
     out = np.empty(len(indices), dtype=object)
     for f in np.unique(file_of):
