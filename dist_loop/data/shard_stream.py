@@ -49,6 +49,7 @@ ORDERS = ("index_shuffle", "memory")
 SPEC_ERROR = "does not match the manifest spec"
 _no_autograph = stream.no_autograph
 _FOREVER = np.iinfo(np.int64).max
+_BLOCK_RECORDS = 256  # Records an ArrayRecord read takes at least.
 _PAD = 498247692  # tf.random.experimental.index_shuffle's seed word.
 
 
@@ -222,17 +223,15 @@ class _ArrayRecords:
   def _read(self, readers, indices: np.ndarray) -> np.ndarray:
     from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
     file_of = np.searchsorted(self._starts, indices, side="right") - 1
+    within = indices - self._starts[file_of]
     out = np.empty(len(indices), dtype=object)
-    for f in np.unique(file_of):
-      if f not in readers:
-        readers[f] = array_record_module.ArrayRecordReader(
+    for row, (f, index) in enumerate(zip(file_of.tolist(), within.tolist())):
+      reader = readers.get(f)
+      if reader is None:
+        reader = readers[f] = array_record_module.ArrayRecordReader(
             self._paths[f], "readahead_buffer_size:0,max_parallelism:1")
-      reader = readers[f]
-      rows = np.nonzero(file_of == f)[0]
-      for row, index in zip(rows.tolist(),
-                            (indices[rows] - self._starts[f]).tolist()):
-        reader.seek(index)
-        out[row] = reader.read()
+      reader.seek(index)
+      out[row] = reader.read()
     return out
 
 
@@ -268,12 +267,17 @@ def train_dataset_fn(split: Split, global_batch_size: int, seed: int,
         ids = stream.index_stream(split.num_records, seed, start)
       else:
         ids = shuffled_indices(split.num_records, seed, start)
-      ids = stream.cut(ids, ctx, per_replica)
-      ds = ids.map(_no_autograph(split.read),
+      # Read and parsed `block` batches at a time: a read is a Python call
+      # and a parse a dozen ops, whose fixed costs a small batch would pay
+      # each time; the block is cut back into batches after the parse.
+      block = max(1, _BLOCK_RECORDS // per_replica)
+      ids = stream.cut(ids, ctx, per_replica).batch(block, drop_remainder=True)
+      ds = ids.map(_no_autograph(lambda b: split.read(tf.reshape(b, [-1]))),
                    num_parallel_calls=stream.parallel_calls(),
                    deterministic=True)
       records = ds.unbatch()
     else:
+      block = 1
       local = ctx.num_replicas_in_sync // ctx.num_input_pipelines
       start = start_step * per_replica * local
       records = split.records(read_file, seed, start, ctx.input_pipeline_id,
@@ -286,14 +290,25 @@ def train_dataset_fn(split: Split, global_batch_size: int, seed: int,
                                        _places(ctx, global_batch_size,
                                                per_replica, start_step))
     else:
-      ds = ds.map(_no_autograph(split.parse),
+      ds = ds.map(_no_autograph(lambda *r: _batches(split.parse(*r), block)),
                   num_parallel_calls=stream.parallel_calls(),
                   deterministic=True)
+      if block > 1:
+        ds = ds.unbatch()
     if split.service:
       ds = service.distribute(ds, split.service)
     return stream.without_autotune(ds.prefetch(tf.data.AUTOTUNE))
 
   return dataset_fn
+
+
+def _batches(parsed, block: int):
+  """A parsed block of `block` batches, each tensor [block, batch, ...]
+  (unchanged for one)."""
+  if block == 1:
+    return parsed
+  return tuple(tf.reshape(t, [block, -1] + t.shape[1:].as_list())
+               for t in parsed)
 
 
 def _places(ctx: tf.distribute.InputContext, global_batch_size: int,
