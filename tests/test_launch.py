@@ -1,9 +1,13 @@
 """The local launcher: per-task TF_CONFIG and logs, failures, restarts,
-Ctrl-C.
+Ctrl-C; tasks started as new processes and forked by the fork server.
 
 The tasks here are tiny Python programs, not training runs, so these tests
-take seconds; tests/test_multiworker.py and tests/test_ps.py launch real
-training.
+take seconds: the tests of the launcher's rules run each program both as
+`python -c SCRIPT` (a new process per task) and as `python -m MODULE`
+(forked by a fork server that preloads `json`, which costs nothing), and
+one test forks from a fork server that preloads TensorFlow;
+tests/test_multiworker.py and tests/test_ps.py launch real training (forked:
+their command is `python -m experiments.train`).
 """
 
 import json
@@ -20,7 +24,41 @@ import pytest
 from conftest import REPO, run_launch, run_tool
 
 from dist_loop.runtime import goodput, launch_record
-from tools import launch, local_cluster
+from tools import fork_server, launch, local_cluster
+
+class Tasks:
+  """How a test's task program runs: `python -c SCRIPT`, or (`forked`) the
+  script written as a module of `modules` (on PYTHONPATH), `python -m
+  MODULE`, which the launcher forks from a fork server preloading json."""
+
+  def __init__(self, forked: bool, modules):
+    self.forked, self.modules = forked, modules
+
+  def __call__(self, script):
+    """The launcher's arguments from `--` on (with `--preload` before it,
+    forked) for a command that runs `script`."""
+    if not self.forked:
+      return ["--", sys.executable, "-c", script]
+    self.modules.mkdir(exist_ok=True)
+    name = f"task_{len(list(self.modules.iterdir()))}"
+    (self.modules / f"{name}.py").write_text(script)
+    return ["--preload=json", "--", sys.executable, "-m", name]
+
+  def check(self, log_dir):
+    """The launcher's record says it forked the tasks, if they are."""
+    events = launch_record.read(str(log_dir / launch_record.FILE_NAME))
+    servers = [e for e in events if e["event"] == "fork_server"]
+    assert [("pid" in e, "error" in e) for e in servers] == (
+        [(True, False)] if self.forked else []), servers
+
+
+@pytest.fixture(name="tasks", params=["new process", "forked"])
+def _tasks(request, tmp_path, monkeypatch):
+  forked = request.param == "forked"
+  if forked:
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "modules"))
+  return Tasks(forked, tmp_path / "modules")
+
 
 # Prints its task, then: worker 1 fails with exit code 3 once the others
 # have printed theirs (else a slow start could lose their line), the others
@@ -158,11 +196,12 @@ def test_workdir_is_read_from_the_command():
 
 
 def test_a_failing_task_stops_the_others_and_its_exit_code_propagates(
-    tmp_path):
+    tmp_path, tasks):
   workdir = tmp_path / "run"
-  result = run_launch("--num_workers=3", "--", sys.executable, "-c", FAIL_ONE,
+  result = run_launch("--num_workers=3", *tasks(FAIL_ONE),
                       f"--workdir={workdir}", timeout=60)
   assert result.returncode == 3, result.stdout
+  tasks.check(workdir / "logs")
   # The failed task's tail is shown, naming it.
   assert "worker:1 failed (exit code 3)" in result.stdout
   assert "| boom: worker 1 gives up" in result.stdout
@@ -175,15 +214,15 @@ def test_a_failing_task_stops_the_others_and_its_exit_code_propagates(
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130),
                                        (signal.SIGTERM, 143)])
-def test_ctrl_c_and_sigterm_are_forwarded_to_every_task(sig, code, tmp_path):
+def test_ctrl_c_and_sigterm_are_forwarded_to_every_task(sig, code, tmp_path,
+                                                        tasks):
   """The launcher passes the signal on and exits 128 + N, as the train
   command does (docs/reliability.md's table of exit codes)."""
   log_dir = tmp_path / "logs"
   launcher = subprocess.Popen(
       [sys.executable, "-m", "tools.launch", "--num_workers=2",
-       f"--log_dir={log_dir}", "--timeout_s=50", "--", sys.executable, "-c",
-       TRAP_SIGINT], cwd=REPO, stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT, text=True)
+       f"--log_dir={log_dir}", "--timeout_s=50", *tasks(TRAP_SIGINT)],
+      cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   try:
     logs = [log_dir / f"worker-{i}.log" for i in range(2)]
     deadline = time.monotonic() + 30
@@ -198,6 +237,7 @@ def test_ctrl_c_and_sigterm_are_forwarded_to_every_task(sig, code, tmp_path):
   assert launcher.returncode == code, out
   for p in logs:
     assert f"got {sig.name}" in p.read_text()
+  tasks.check(log_dir)
 
 
 def test_command_without_workdir_needs_log_dir():
@@ -209,10 +249,13 @@ def test_command_without_workdir_needs_log_dir():
   assert "--log_dir" in result.stderr
 
 
-def _launch_failing(workdir, task, fails, *launcher_args, code=1):
-  return run_launch(*launcher_args, "--", sys.executable, "-c",
-                    FAIL_FIRST_RUNS, f"--workdir={workdir}", str(fails), task,
-                    str(code), timeout=60)
+def _launch_failing(workdir, task, fails, *launcher_args, code=1,
+                    tasks=Tasks(False, None)):
+  result = run_launch(*launcher_args, *tasks(FAIL_FIRST_RUNS),
+                      f"--workdir={workdir}", str(fails), task, str(code),
+                      timeout=60)
+  tasks.check(workdir / "logs")
+  return result
 
 
 def _restart_lines(out):
@@ -225,10 +268,10 @@ def _runs(workdir, task):
 
 
 def test_max_restarts_restarts_the_whole_cluster_with_the_same_command(
-    tmp_path):
+    tmp_path, tasks):
   workdir = tmp_path / "run"
   result = _launch_failing(workdir, "worker:1", 2, "--num_workers=2",
-                           "--max_restarts=3")
+                           "--max_restarts=3", tasks=tasks)
   assert result.returncode == 0, result.stdout
   assert _restart_lines(result.stdout) == [
       f"[launch] worker:1 failed (exit code 1); restart {k} of 3: stopping "
@@ -242,10 +285,11 @@ def test_max_restarts_restarts_the_whole_cluster_with_the_same_command(
   assert "[launch] restart 2 of 3" in log
 
 
-def test_a_task_killed_by_a_signal_is_restarted_and_named_so(tmp_path):
+def test_a_task_killed_by_a_signal_is_restarted_and_named_so(tmp_path,
+                                                             tasks):
   workdir = tmp_path / "run"
   result = _launch_failing(workdir, "worker:0", 1, "--num_workers=2",
-                           "--max_restarts=2", code="SIGKILL")
+                           "--max_restarts=2", code="SIGKILL", tasks=tasks)
   assert result.returncode == 0, result.stdout
   assert _restart_lines(result.stdout) == [
       "[launch] worker:0 failed (killed by signal 9); restart 1 of 2: "
@@ -278,31 +322,35 @@ def test_a_diverged_run_is_not_restarted(tmp_path):
 
 
 def test_a_lost_ps_restarts_a_ps_cluster_and_a_lost_worker_does_not(
-    tmp_path):
+    tmp_path, tasks):
   workdir = tmp_path / "run"
   result = _launch_failing(workdir, "ps:0", 1, "--num_workers=1",
-                           "--num_ps=1", "--max_restarts=2")
+                           "--num_ps=1", "--max_restarts=2", tasks=tasks)
   assert result.returncode == 0, result.stdout
   assert len(_restart_lines(result.stdout)) == 1
   assert len(_runs(workdir, "chief-0")) == 2
   result = _launch_failing(tmp_path / "run2", "worker:0", 99,
                            "--num_workers=1", "--num_ps=1",
-                           "--max_restarts=2")
+                           "--max_restarts=2", tasks=tasks)
   assert result.returncode == 0, result.stdout
   assert "training goes on" in result.stdout
   assert not _restart_lines(result.stdout)
 
 
-def test_a_restart_is_recorded_and_splits_the_downtime_before_it(tmp_path):
+def test_a_restart_is_recorded_and_splits_the_downtime_before_it(tmp_path,
+                                                                  tasks):
   """The launcher's record (logs/launch.jsonl) of a run restarted once
   after a SIGKILL, and the downtime of the restart as goodput splits it:
-  in tools.goodput's table and in the restarted attempt's own totals."""
+  in tools.goodput's table and in the restarted attempt's own totals. A
+  forked task's process starts at its fork: goodput finds it by its PID."""
   workdir = tmp_path / "run"
-  result = run_launch("--num_workers=1", "--max_restarts=1", "--",
-                      sys.executable, "-c", ATTEMPTS, f"--workdir={workdir}",
-                      timeout=60)
+  result = run_launch("--num_workers=1", "--max_restarts=1", *tasks(ATTEMPTS),
+                      f"--workdir={workdir}", timeout=60)
   assert result.returncode == 0, result.stdout
-  events = launch_record.read(str(workdir / "logs" / "launch.jsonl"))
+  tasks.check(workdir / "logs")
+  events = [e for e in launch_record.read(str(workdir / "logs" /
+                                              "launch.jsonl"))
+            if e["event"] != "fork_server"]
   assert [e["event"] for e in events] == [
       "start", "failed", "stopped", "waited", "start", "exit"]
   _, failed, stopped, waited, restart, end = events
@@ -386,6 +434,8 @@ def _signals_kept():
      "200000 cores"),
     (["--num_workers=1", "--cpus_per_task=-1"], "{python} --workdir={dir}",
      "--cpus_per_task=-1: use a number >= 0"),
+    (["--preload=tensorflow,a-b"], "{python} -m m --workdir={dir}",
+     "'a-b' is not a module name"),
 ])
 def test_bad_input_is_one_line_and_starts_nothing(
     launcher_args, command, message, tmp_path, capsys, signals_kept):
@@ -439,16 +489,16 @@ def _cores(log):
 
 
 @pytest.mark.parametrize("cpus_per_task", ["1", "auto"])
-def test_each_task_runs_on_its_own_cores(cpus_per_task, tmp_path):
+def test_each_task_runs_on_its_own_cores(cpus_per_task, tmp_path, tasks):
   available = sorted(os.sched_getaffinity(0))
   workers = min(2, len(available))
   share = 1 if cpus_per_task == "1" else len(available) // workers
   workdir = tmp_path / "pinned"
   result = run_launch(f"--num_workers={workers}",
                       f"--cpus_per_task={cpus_per_task}", "--verbosity=1",
-                      "--", sys.executable, "-c", SHOW_CORES,
-                      f"--workdir={workdir}", timeout=60)
+                      *tasks(SHOW_CORES), f"--workdir={workdir}", timeout=60)
   assert result.returncode == 0, result.stdout
+  tasks.check(workdir / "logs")
   for i in range(workers):
     cores = available[i * share:(i + 1) * share]
     assert _cores(workdir / "logs" / f"worker-{i}.log") == (cores, "1")
@@ -498,12 +548,13 @@ sys.exit(int(sys.argv[3]))
     ("FATAL Flags parsing error: Unknown command line flag 'train_stepz'", 1),
     ("usage: train [-h]; error: unrecognized arguments: --x", 2),
 ])
-def test_a_usage_error_is_never_restarted(line, code, tmp_path):
+def test_a_usage_error_is_never_restarted(line, code, tmp_path, tasks):
   workdir = tmp_path / "run"
-  result = run_launch("--num_workers=2", "--max_restarts=3", "--",
-                      sys.executable, "-c", USAGE_ERROR, f"--workdir={workdir}",
-                      line, str(code), timeout=60)
+  result = run_launch("--num_workers=2", "--max_restarts=3",
+                      *tasks(USAGE_ERROR), f"--workdir={workdir}", line,
+                      str(code), timeout=60)
   assert result.returncode == code, result.stdout
+  tasks.check(workdir / "logs")
   assert not _restart_lines(result.stdout)
   assert f"failed (exit code {code}); last lines of" in result.stdout
   # Each task ran once at most (the first to fail stops the other).
@@ -571,3 +622,260 @@ def test_help_says_what_a_timeout_of_zero_means(capsys):
   help_text = " ".join(capsys.readouterr().out.split())
   assert "--timeout_s TIMEOUT_S stop everything and exit 124 after this " \
          "many seconds (0, the default: no time limit)" in help_text
+
+
+# -- the fork server --
+
+
+def test_a_module_command_of_this_interpreter_is_forked():
+  python = sys.executable
+  assert fork_server.module_command([python, "-m", "pkg.mod", "--x=1"]) == (
+      "pkg.mod", ["--x=1"])
+  # The same interpreter by another path to it (a link to it, in its
+  # directory: a virtualenv's python3 for its python).
+  same = os.path.join(os.path.dirname(python), ".", os.path.basename(python))
+  assert fork_server.module_command([same, "-m", "m"]) == ("m", [])
+  for command in ([python, "-c", "pass"], [python, "script.py"],
+                  [python, "-m"], [python, "-u", "-m", "m"],
+                  ["/no/such/python", "-m", "m"], ["sh", "-m", "m"]):
+    assert fork_server.module_command(command) is None, command
+
+
+# Forked from a fork server that imported TensorFlow: says what it found at
+# its start; sets TensorFlow's native log level as experiments.train does
+# from its --verbosity (worker 0 at 1, worker 1 at 0, the launcher's), and
+# has TensorFlow log a native warning; then waits to be killed.
+FORKED_TASK = """
+import json, os, sys, time
+preloaded = "tensorflow" in sys.modules
+from dist_loop.runtime import console, goodput
+index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+console.start(1 if index == 0 else 0)
+import tensorflow as tf
+for _ in tf.data.Dataset.range(4).cache().take(1):  # A native warning.
+  pass
+print("report", json.dumps({
+    "preloaded": preloaded, "started": goodput.process_start_time(),
+    "parent": os.getppid(), "own session": os.getsid(0) == os.getpid(),
+    "name": __name__, "argv": sys.argv[1:]}), flush=True)
+time.sleep(120)
+"""
+
+
+def _reports(logs, launcher, timeout_s=120):
+  """What each task of FORKED_TASK reported, once all have."""
+  deadline = time.monotonic() + timeout_s
+  while True:
+    texts = [p.read_text() if p.exists() else "" for p in logs]
+    if all("report " in t for t in texts):
+      return [json.loads(t.split("report ", 1)[1].splitlines()[0])
+              for t in texts], texts
+    assert launcher.poll() is None and time.monotonic() < deadline, texts
+    time.sleep(0.2)
+
+
+def _running(pid):
+  """Whether process `pid` exists and is not a zombie."""
+  try:
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+  except OSError:
+    return False
+
+
+def test_forked_tasks_skip_tensorflow_s_import_and_end_with_the_launcher(
+    tmp_path, monkeypatch):
+  """The default fork server: each task finds TensorFlow imported, and its
+  process starts at its fork, after the server's import (so goodput's
+  `import` phase is the fork to `train.run`); it is a `python -m` process in
+  a session of its own, and an entry point's own native log level takes
+  effect. A SIGKILLed launcher leaves neither the server nor a task."""
+  (tmp_path / "modules").mkdir()
+  (tmp_path / "modules" / "forked_task.py").write_text(FORKED_TASK)
+  monkeypatch.setenv("PYTHONPATH", str(tmp_path / "modules"))
+  log_dir = tmp_path / "logs"
+  launcher = subprocess.Popen(
+      [sys.executable, "-m", "tools.launch", "--num_workers=2",
+       f"--log_dir={log_dir}", "--timeout_s=200", "--", sys.executable, "-m",
+       "forked_task", "a", "--b=c"], cwd=REPO, stdout=subprocess.DEVNULL,
+      stderr=subprocess.STDOUT)
+  pids = []
+  try:
+    reports, texts = _reports([log_dir / f"worker-{i}.log" for i in (0, 1)],
+                              launcher)
+    events = launch_record.read(str(log_dir / launch_record.FILE_NAME))
+    [server] = [e for e in events if e["event"] == "fork_server"]
+    [start] = [e for e in events if e["event"] == "start"]
+    pids = [server["pid"], *start["tasks"].values()]
+    for report in reports:
+      assert report["preloaded"] and report["parent"] == server["pid"]
+      # Clock ticks (/proc) and the clocks' reading: a few hundredths.
+      assert report["started"] >= server["ready"] - 0.1, (report, server)
+      assert report["own session"] and report["name"] == "__main__"
+      assert report["argv"] == ["a", "--b=c"]
+    warning = "did not fully read the dataset being cached"
+    assert warning in texts[0] and warning not in texts[1], texts
+    launcher.kill()
+    launcher.wait(timeout=10)
+    deadline = time.monotonic() + 20
+    while any(map(_running, pids)):
+      assert time.monotonic() < deadline, [p for p in pids if _running(p)]
+      time.sleep(0.1)
+  finally:
+    if launcher.poll() is None:
+      launcher.kill()
+      launcher.wait(timeout=10)
+    for pid in filter(_running, pids):
+      os.kill(pid, signal.SIGKILL)
+
+
+def test_a_fork_server_that_cannot_start_is_one_line_and_tasks_start_anew(
+    tmp_path, monkeypatch):
+  modules = tmp_path / "modules"
+  modules.mkdir()
+  (modules / "show_cores.py").write_text(SHOW_CORES)
+  monkeypatch.setenv("PYTHONPATH", str(modules))
+  workdir = tmp_path / "run"
+  result = run_launch("--num_workers=2", "--preload=no_such_module_2718",
+                      "--", sys.executable, "-m", "show_cores",
+                      f"--workdir={workdir}", timeout=60)
+  assert result.returncode == 0, result.stdout
+  log = workdir / "logs" / "fork_server.log"
+  [line] = [l for l in result.stdout.splitlines() if "fork server" in l]
+  assert line == (
+      "[launch] the fork server did not start (exit code 1: "
+      "ModuleNotFoundError: No module named 'no_such_module_2718'; log "
+      f"{log}); starting the tasks as new processes")
+  for i in (0, 1):
+    assert _cores(workdir / "logs" / f"worker-{i}.log")[1] == "3"
+  [event] = [e for e in launch_record.read(str(workdir / "logs" /
+                                               launch_record.FILE_NAME))
+             if e["event"] == "fork_server"]
+  assert "pid" not in event and "no_such_module_2718" in event["error"]
+
+
+def test_a_task_the_fork_server_cannot_fork_starts_the_cluster_anew(
+    tmp_path, monkeypatch, capsys):
+  """The tasks it forked end with it: every task starts as a new process."""
+  from tools import supervisor  # pylint: disable=g-import-not-at-top
+  modules = tmp_path / "modules"
+  modules.mkdir()
+  (modules / "show_cores.py").write_text(SHOW_CORES)
+  monkeypatch.setenv("PYTHONPATH", str(modules))
+  forks = []
+
+  def fork_once(self, *args):
+    forks.append(args)
+    if len(forks) == 2:
+      raise fork_server.ForkServerError("no answer within 30 s")
+    return real_fork(self, *args)
+
+  real_fork = fork_server.ForkServer.fork
+  monkeypatch.setattr(fork_server.ForkServer, "fork", fork_once)
+  record = tmp_path / "logs" / launch_record.FILE_NAME
+  launcher = supervisor.Launcher(
+      [sys.executable, "-m", "show_cores"], 2, log_dir=str(tmp_path / "logs"),
+      quiet=True, timeout_s=40, cpus_per_task=0, preload=["json"],
+      record=str(record))
+  launcher.start()
+  try:
+    code = launcher.wait()
+  finally:
+    launcher.stop()
+  assert code == 0 and len(forks) == 2
+  assert all(isinstance(t.process, subprocess.Popen)
+             for t in launcher.tasks.values())
+  assert ("[launch] the fork server cannot start worker:1 (no answer within "
+          "30 s); starting the tasks as new processes") in (
+              capsys.readouterr().out)
+  assert [e["event"] for e in launch_record.read(str(record))] == [
+      "fork_server", "start", "exit"]
+
+
+# Records each of its runs in WORKDIR/runs-<job>-<i>; its first run waits to
+# be killed, its second ends.
+FIRST_RUN_WAITS = """
+import json, os, sys, time
+task = json.loads(os.environ["TF_CONFIG"])["task"]
+workdir = sys.argv[1].split("=", 1)[1]
+with open(os.path.join(workdir, f"runs-{task['type']}-{task['index']}"),
+          "a") as f:
+  f.write("run\\n")
+if len(open(f.name).read().splitlines()) == 1:
+  time.sleep(60)
+"""
+
+
+def test_a_fork_server_that_dies_takes_its_tasks_and_a_restart_replaces_it(
+    tmp_path, monkeypatch):
+  """Its tasks die with it (PR_SET_PDEATHSIG), reported killed; the restart
+  starts a new fork server."""
+  modules = tmp_path / "modules"
+  modules.mkdir()
+  (modules / "first_run_waits.py").write_text(FIRST_RUN_WAITS)
+  monkeypatch.setenv("PYTHONPATH", str(modules))
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  launcher = subprocess.Popen(
+      [sys.executable, "-m", "tools.launch", "--num_workers=2",
+       "--max_restarts=1", "--timeout_s=50", "--preload=json", "--",
+       sys.executable, "-m", "first_run_waits", f"--workdir={workdir}"],
+      cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  try:
+    runs = [workdir / f"runs-worker-{i}" for i in (0, 1)]
+    deadline = time.monotonic() + 30
+    while not all(p.exists() for p in runs):
+      assert launcher.poll() is None and time.monotonic() < deadline
+      time.sleep(0.05)
+    record = str(workdir / "logs" / launch_record.FILE_NAME)
+    [server] = [e for e in launch_record.read(record)
+                if e["event"] == "fork_server"]
+    os.kill(server["pid"], signal.SIGKILL)
+    out, _ = launcher.communicate(timeout=40)
+  finally:
+    if launcher.poll() is None:
+      launcher.kill()
+      launcher.wait(timeout=10)
+  assert launcher.returncode == 0, out
+  assert re.search(r"\[launch\] worker:\d failed \(killed by signal 9\); "
+                   "restart 1 of 1", out), out
+  assert ("[launch] the fork server ended (killed by signal 9; log "
+          f"{workdir / 'logs' / 'fork_server.log'}); starting a new one"
+          ) in out
+  servers = [e for e in launch_record.read(record)
+             if e["event"] == "fork_server"]
+  assert len({e["pid"] for e in servers}) == 2
+  assert [len(p.read_text().splitlines()) for p in runs] == [2, 2]
+
+
+def test_ctrl_c_while_the_fork_server_imports_starts_no_task(
+    tmp_path, monkeypatch):
+  modules = tmp_path / "modules"
+  modules.mkdir()
+  (modules / "slow_import.py").write_text(
+      "import os, time\n"
+      "open(os.path.join(os.path.dirname(__file__), 'importing'), 'w')\n"
+      "time.sleep(60)\n")
+  (modules / "task.py").write_text("print('started', flush=True)\n")
+  monkeypatch.setenv("PYTHONPATH", str(modules))
+  log_dir = tmp_path / "logs"
+  launcher = subprocess.Popen(
+      [sys.executable, "-m", "tools.launch", "--num_workers=2",
+       f"--log_dir={log_dir}", "--timeout_s=50", "--preload=slow_import",
+       "--", sys.executable, "-m", "task"], cwd=REPO,
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  try:
+    deadline = time.monotonic() + 30
+    while not (modules / "importing").exists():
+      assert launcher.poll() is None and time.monotonic() < deadline
+      time.sleep(0.05)
+    launcher.send_signal(signal.SIGINT)
+    out, _ = launcher.communicate(timeout=20)
+  finally:
+    if launcher.poll() is None:
+      launcher.kill()
+      launcher.wait(timeout=10)
+  assert launcher.returncode == 130, out
+  assert "started" not in out and not list(log_dir.glob("worker-*.log"))
+  events = launch_record.read(str(log_dir / launch_record.FILE_NAME))
+  assert [e["event"] for e in events] == ["exit"]

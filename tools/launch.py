@@ -46,6 +46,20 @@ failure like any other. On real hosts, run the train command itself with a
 hand-written TF_CONFIG per host, or under SLURM with srun (README, "Multiple
 processes and hosts").
 
+Start-up (`--preload`): when the command is this Python interpreter running
+a module (`python -m experiments.train ...`, as above), a fork server
+imports TensorFlow once (`--preload=tensorflow`, the default; a
+comma-separated list of modules) and every task is forked from it, at the
+start and at every restart, so that no task imports TensorFlow itself. A
+forked task is what a new process would be (its TF_CONFIG, environment,
+cores, log, session, signals and exit code), running the module as
+`__main__`; its goodput `import` phase starts at its fork. The server's own
+output goes to LOG_DIR/fork_server.log, and its start to the record. A
+fork server that cannot start is one line, and the tasks start as new
+processes; `--preload=none` starts them so always, as any other command.
+`tools/fork_server.py` says how, and why a fork after TensorFlow's import
+is sound.
+
 `--num_data_workers=N` also starts a tf.data service of N workers on this
 host (`tools.data_service`, stopped with the cluster) and appends
 `--data_service=grpc://localhost:PORT` to the command (docs/data.md).
@@ -73,7 +87,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 # Re-exported: tests build clusters and reserve ports the way the launcher
 # does, and drive a Launcher.
@@ -95,7 +109,8 @@ def workdir_of(command: Sequence[str]) -> Optional[str]:
 
 
 USAGE = ("python -m tools.launch --num_workers=N [--num_ps=P] "
-         "[--cpus_per_task=auto|N] [--verbosity=V] -- COMMAND...")
+         "[--cpus_per_task=auto|N] [--preload=tensorflow|none] "
+         "[--verbosity=V] -- COMMAND...")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -113,6 +128,19 @@ def _cpus_per_task(text: str) -> Optional[int]:
   except ValueError:
     raise argparse.ArgumentTypeError(
         f"{text!r} is not auto or a number of cores") from None
+
+
+def _modules(text: str) -> List[str]:
+  """--preload's modules: a comma-separated list, or none."""
+  if text in ("none", ""):
+    return []
+  names = text.split(",")
+  for name in names:
+    if not all(part.isidentifier() for part in name.split(".")):
+      raise argparse.ArgumentTypeError(
+          f"{name!r} is not a module name; pass modules separated by "
+          "commas, or none")
+  return names
 
 
 def _parse(argv: Sequence[str]) -> Launcher:
@@ -149,6 +177,11 @@ def _parse(argv: Sequence[str]) -> Launcher:
   parser.add_argument("--num_data_workers", type=int, default=0,
                       help="start a tf.data service of N workers on this "
                       "host and pass --data_service to the command")
+  parser.add_argument("--preload", type=_modules, default="tensorflow",
+                      help="modules a fork server imports once, to fork "
+                      "each task from when the command is `python -m "
+                      "MODULE` (default: tensorflow; none: every task "
+                      "starts as a new process)")
   args = parser.parse_args(argv[:split])
   command = list(argv[split + 1:])
   if not command:
@@ -171,7 +204,8 @@ def _parse(argv: Sequence[str]) -> Launcher:
                       args.timeout_s, max_restarts=args.max_restarts,
                       cpus_per_task=args.cpus_per_task,
                       verbosity=args.verbosity,
-                      record=os.path.join(log_dir, launch_record.FILE_NAME))
+                      record=os.path.join(log_dir, launch_record.FILE_NAME),
+                      preload=args.preload)
   launcher.data_service = (
       None if data_service_port is None else
       [sys.executable, "-m", "tools.data_service",

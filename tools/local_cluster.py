@@ -156,8 +156,9 @@ def cpu_sets(num_tasks: int, cpus_per_task: Optional[int],
 # -- the processes --
 
 
-def _die_with_parent():
-  """Runs in the child: the kernel kills it if the launcher dies (Linux)."""
+def die_with_parent():
+  """Runs in a child: the kernel kills it if its parent (the launcher, or
+  the fork server) dies (Linux)."""
   try:
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
   except (OSError, AttributeError):
@@ -169,7 +170,7 @@ def _in_child(cpus: Optional[Sequence[int]]):
   and runs on `cpus` (None: wherever the launcher may)."""
 
   def prepare():
-    _die_with_parent()
+    die_with_parent()
     if cpus is not None:
       os.sched_setaffinity(0, cpus)
 
@@ -193,23 +194,28 @@ class Task:
     self._exited_wall: Optional[float] = None
 
   def start(self, command, env, log_path, console_lock, quiet, header="",
-            cpus=None):
-    """Starts the process on `cpus` (None: unpinned); its output goes to
-    `log_path` (appended, after `header` if any) and, unless `quiet`, to
-    the console.
+            cpus=None, fork_server=None):
+    """Starts the process on `cpus` (None: unpinned), forked by
+    `fork_server` if given (`tools/fork_server.py`), else as a new process;
+    its output goes to `log_path` (appended, after `header` if any) and,
+    unless `quiet`, to the console.
 
     Raises:
       OSError: the command cannot be run.
+      ForkServerError: the fork server cannot fork it.
     """
     self.log_path, self.cpus = log_path, cpus
     if header:
       with open(log_path, "a", encoding="utf-8") as log:
         log.write(header + "\n")
-    self.process = subprocess.Popen(
-        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL, text=True, bufsize=1,
-        start_new_session=True,  # Signals reach it only through us.
-        preexec_fn=_in_child(cpus))
+    if fork_server is not None:
+      self.process = fork_server.fork(command, env, cpus)
+    else:
+      self.process = subprocess.Popen(
+          command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+          stdin=subprocess.DEVNULL, text=True, bufsize=1,
+          start_new_session=True,  # Signals reach it only through us.
+          preexec_fn=_in_child(cpus))
     self._reader = threading.Thread(
         target=self._pump, args=(console_lock, quiet), daemon=True,
         name=f"log-{self.name}")
@@ -219,7 +225,11 @@ class Task:
                      name=f"exit-{self.name}").start()
 
   def _watch_exit(self):
-    """Notes when the process ends, without reaping it (`poll` does)."""
+    """Notes when the process ends, without reaping it (`poll` does); a
+    forked one's end is the fork server's to note."""
+    if not isinstance(self.process, subprocess.Popen):
+      self._exited_at, self._exited_wall = self.process.wait_exit()
+      return
     try:
       os.waitid(os.P_PID, self.process.pid, os.WEXITED | os.WNOWAIT)
     except ChildProcessError:  # Already reaped: it has ended.
@@ -251,7 +261,7 @@ class Task:
     return self.process.poll()
 
   def signal(self, sig) -> None:
-    if self.process.poll() is None:
+    if self.process is not None and self.process.poll() is None:
       try:
         os.killpg(self.process.pid, sig)
       except ProcessLookupError:

@@ -4,8 +4,10 @@ cluster (`--max_restarts`). `tools/launch.py` is its command line and says
 what each rule is for; `tools/local_cluster.py` has the addresses, the cores
 and the processes. What it does (starts, failures, stops, waits, its exit)
 it appends to its record, `dist_loop/runtime/launch_record.py`, from which
-goodput splits the downtime of a restart. This file does not import
-TensorFlow.
+goodput splits the downtime of a restart. A task whose command is this
+interpreter running a module is forked by a fork server that has imported
+TensorFlow (`tools/fork_server.py`), started with the first such task and
+kept across restarts. This file does not import TensorFlow.
 """
 
 import json
@@ -17,6 +19,8 @@ import time
 from typing import Dict, Optional, Sequence
 
 from dist_loop.runtime import console, files
+from tools.fork_server import (READY_TIMEOUT_S, ForkServer, ForkServerError,
+                               module_command)
 from tools.local_cluster import (Task, available_cpus, cluster_spec,
                                  cpu_sets, wait_for_ports)
 
@@ -59,6 +63,9 @@ class Launcher:
     verbosity: as `--verbosity` (tools/launch.py).
     record: the file its events are appended to
       (`dist_loop/runtime/launch_record.py`), or None.
+    preload: the modules the fork server imports before it forks a task
+      whose command is this interpreter running a module
+      (`tools/fork_server.py`); empty: every task starts as a new process.
 
   Raises:
     LaunchError: a bad number, or more cores asked for than there are.
@@ -67,7 +74,8 @@ class Launcher:
   def __init__(self, command: Sequence[str], num_workers: int, num_ps: int = 0,
                log_dir: str = "logs", timeout_s: float = 0, quiet=False,
                max_restarts: int = 0, cpus_per_task: Optional[int] = None,
-               verbosity: int = 0, record: Optional[str] = None):
+               verbosity: int = 0, record: Optional[str] = None,
+               preload: Sequence[str] = ("tensorflow",)):
     for name, value, low in (("num_workers", num_workers, 1),
                              ("num_ps", num_ps, 0),
                              ("max_restarts", max_restarts, 0),
@@ -85,8 +93,12 @@ class Launcher:
     self.restarts = 0
     self.verbosity = verbosity
     self.record = record
+    self.preload = list(preload)
+    self.fork_server: Optional[ForkServer] = None
+    self._forks = bool(self.preload) and module_command(command) is not None
     self._lock = threading.Lock()
     self._interrupted = None  # The signal that asked us to stop.
+    self._began: Optional[float] = None  # The first start (monotonic).
     self.tasks = self._make_tasks()
     self.cpus = self._plan_cpus(cpus_per_task)
     # In a PS cluster the coordinator re-runs a lost worker's steps elsewhere.
@@ -134,19 +146,29 @@ class Launcher:
           "created") from None
     header = (f"[launch] restart {self.restarts} of {self.max_restarts}"
               if self.restarts else "")
+    if self._began is None:  # --timeout_s counts the fork server's start.
+      self._began = time.monotonic()
+    server = self._fork_server()
+    if self._interrupted:  # While the fork server imported: start nothing.
+      return
     started_at = time.time()
     for name, task in self.tasks.items():
       tf_config = json.dumps({"cluster": self.spec,
                               "task": {"type": task.job, "index": task.index}})
-      env = {**os.environ, "TF_CONFIG": tf_config, "PYTHONUNBUFFERED": "1",
-             "TF_CPP_MIN_LOG_LEVEL": console.native_log_level(
-                 self.verbosity)}
       log_path = os.path.join(self.log_dir,
                               f"{task.job}-{task.index}.log")
       cpus = self.cpus and self.cpus[name]
       try:
-        task.start(self.command, env, log_path, self._lock, self.quiet,
-                   header, cpus)
+        task.start(self.command, self._env(tf_config), log_path, self._lock,
+                   self.quiet, header, cpus, server)
+      except ForkServerError as e:
+        self._say(f"the fork server cannot start {task.name} ({e}); "
+                  "starting the tasks as new processes", level=-1)
+        self._forks = False
+        self._close_fork_server()  # The tasks it forked end with it.
+        self._stop_tasks(0)
+        self.tasks = self._make_tasks()
+        return self.start()
       except OSError as e:
         self.stop()
         raise LaunchError(f"cannot run {self.command[0]!r} ({e.strerror}); "
@@ -157,6 +179,56 @@ class Launcher:
       self._say(f"{task.name}: TF_CONFIG={tf_config}", level=1)
     self._note("start", t=started_at, restart=self.restarts,
                tasks={n: t.process.pid for n, t in self.tasks.items()})
+
+  def _env(self, tf_config: Optional[str] = None) -> Dict[str, str]:
+    """A task's environment (without `tf_config`: what every task shares,
+    the fork server's)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "TF_CPP_MIN_LOG_LEVEL": console.native_log_level(self.verbosity)}
+    if tf_config is not None:
+      env["TF_CONFIG"] = tf_config
+    return env
+
+  def _fork_server(self) -> Optional[ForkServer]:
+    """The fork server to start the tasks from, started if there is none
+    (again if it died); None to start them as new processes: the command
+    is not this interpreter running a module, `preload` is empty, or a
+    fork server failed (said once)."""
+    if not self._forks:
+      return None
+    if self.fork_server is not None and self.fork_server.alive:
+      return self.fork_server
+    if self.fork_server is not None:
+      self._say(f"the fork server ended ({self.fork_server.death()}); "
+                "starting a new one", level=-1)
+      self._close_fork_server()
+    started = time.time()
+    server = ForkServer(self.command[0], self._env(), self.preload,
+                        os.path.join(self.log_dir, "fork_server.log"),
+                        self.verbosity)
+    try:
+      server.start(min(READY_TIMEOUT_S, self.timeout_s or READY_TIMEOUT_S),
+                   cancelled=lambda: bool(self._interrupted))
+    except ForkServerError as e:
+      if self._interrupted:
+        return None
+      self._say(f"the fork server did not start ({e}); starting the tasks "
+                "as new processes", level=-1)
+      self._note("fork_server", t=started, error=str(e))
+      self._forks = False
+      return None
+    self.fork_server = server
+    self._note("fork_server", t=started, ready=time.time(),
+               pid=server.process.pid, preload=self.preload)
+    self._say(f"started the fork server (pid {server.process.pid}): "
+              f"{', '.join(self.preload)} imported in "
+              f"{time.time() - started:.1f} s; tasks are forked from it")
+    return server
+
+  def _close_fork_server(self) -> None:
+    if self.fork_server is not None:
+      self.fork_server.close()
+      self.fork_server = None
 
   def interrupt(self, sig: int = signal.SIGINT) -> None:
     """Forwards Ctrl-C (SIGINT) or SIGTERM to every training task; `wait`
@@ -174,12 +246,14 @@ class Launcher:
   def wait(self) -> int:
     """Watches the tasks until training ends or fails for good; returns an
     exit code."""
-    deadline = time.monotonic() + self.timeout_s if self.timeout_s else None
+    began = time.monotonic() if self._began is None else self._began
+    deadline = began + self.timeout_s if self.timeout_s else None
     interrupted_at = None
     while True:
       if self._interrupted:
         interrupted_at = interrupted_at or time.monotonic()
-        if (all(t.poll() is not None for t in self.tasks.values() if t.trains)
+        if (all(t.process is None or t.poll() is not None
+                for t in self.tasks.values() if t.trains)
             or time.monotonic() - interrupted_at > 3 * STOP_GRACE_S):
           self.stop()
           return self._exit(128 + self._interrupted)
@@ -253,7 +327,7 @@ class Launcher:
     self._say(f"{task.name} failed ({_how(code)}); restart {self.restarts} "
               f"of {self.max_restarts}: stopping every task and restarting "
               f"the cluster (log {task.log_path})", level=-1)
-    self.stop(RESTART_GRACE_S)
+    self._stop_tasks(RESTART_GRACE_S)
     self._note("stopped")
     ports_free = wait_for_ports(self.spec, PORT_WAIT_S)
     self._note("waited", ports_free=ports_free)
@@ -270,7 +344,12 @@ class Launcher:
               f"{task.log_path}:\n{lines}", level=-1)
 
   def stop(self, grace_s: float = STOP_GRACE_S) -> None:
-    """SIGTERM to every running task, then SIGKILL after `grace_s`."""
+    """SIGTERM to every running task, then SIGKILL after `grace_s`; then
+    the fork server ends."""
+    self._stop_tasks(grace_s)
+    self._close_fork_server()
+
+  def _stop_tasks(self, grace_s: float) -> None:
     started = [t for t in self.tasks.values() if t.process is not None]
     for task in started:
       if task.poll() is None:

@@ -12,12 +12,17 @@ do, and TensorFlow's C++ side writes straight to file descriptor 2, so
 quieting them takes two steps:
 
 * `start(verbosity)`, before TensorFlow is imported: the C++ log level
-  (`TF_CPP_MIN_LOG_LEVEL`, read once, at TensorFlow's first native log line;
-  `--verbosity` sets it whatever the environment says, so one flag rules the
-  terminal), and TensorFlow's import itself with its native start-up
-  notices (oneDNN, absl's pre-initialisation warning) filtered out; some of
-  them ignore `TF_CPP_MIN_LOG_LEVEL`. (The entry points make that import
-  cheaper: `experiments/startup.py`.)
+  (`TF_CPP_MIN_LOG_LEVEL`, read once, at TensorFlow's first native log line,
+  which its import writes; `--verbosity` sets it whatever the environment
+  says, so one flag rules the terminal), and TensorFlow's import itself with
+  its native start-up notices (oneDNN, absl's pre-initialisation warning)
+  filtered out; some of them ignore `TF_CPP_MIN_LOG_LEVEL`. (The entry
+  points make that import cheaper: `experiments/startup.py`.) A process
+  forked after `start` imported TensorFlow (a task of tools.launch's fork
+  server, `tools/fork_server.py`) calls `start` again with its own
+  verbosity: the level is then set where TensorFlow's import put it,
+  absl's minimum log level in TensorFlow's native library
+  (`_set_native_level`).
 * `setup(verbosity)`, once flags are parsed: a filter on absl's handler that
   tells the libraries' records from everyone else's, the `tensorflow`
   logger's level, and a short line format. A record is a library's by its
@@ -40,6 +45,7 @@ From 2 on, lines have absl's own prefix (severity, time, thread, file:line).
 """
 
 import contextlib
+import ctypes
 import functools
 import importlib
 import importlib.util
@@ -85,16 +91,50 @@ def our_level(verbosity: int) -> int:
   return {0: logging.INFO, -1: logging.WARNING}.get(verbosity, logging.ERROR)
 
 
+# The native log level TensorFlow was imported with by `start`, if it was.
+_imported_at = []
+
+
 def start(verbosity: int) -> None:
   """Before TensorFlow's import: its native log level, and the import with
-  its native start-up notices filtered, at `verbosity`."""
-  os.environ["TF_CPP_MIN_LOG_LEVEL"] = native_log_level(verbosity)
+  its native start-up notices filtered, at `verbosity`. After an import by
+  an earlier `start` (in the process this one was forked from): the level
+  only."""
+  level = native_log_level(verbosity)
+  os.environ["TF_CPP_MIN_LOG_LEVEL"] = level
   if "tensorflow" in sys.modules:
+    if _imported_at and _imported_at[-1] != level and _set_native_level(
+        level):
+      _imported_at.append(level)
     return
   with contextlib.ExitStack() as stack:
     if verbosity < 2:
       stack.enter_context(native_stderr_filtered(verbosity))
     importlib.import_module("tensorflow")
+  _imported_at.append(level)
+
+
+def _set_native_level(level: str) -> bool:
+  """Sets the native log level of an imported TensorFlow: absl's
+  `SetMinLogLevel` in libtensorflow_framework, which TensorFlow's import
+  called with TF_CPP_MIN_LOG_LEVEL. Its name holds absl's inline namespace,
+  read from the headers TensorFlow ships. Returns whether it could; if not
+  (another TensorFlow build), the level stays the import's."""
+  try:
+    spec = importlib.util.find_spec("tensorflow")
+    root = os.path.dirname(spec.origin)
+    with open(os.path.join(root, "include", "absl", "base", "options.h"),
+              encoding="utf-8") as f:
+      found = re.search(r"^#define ABSL_OPTION_INLINE_NAMESPACE_NAME (\w+)$",
+                        f.read(), re.MULTILINE)
+    library = ctypes.CDLL(os.path.join(root, "libtensorflow_framework.so.2"))
+    name = found.group(1)
+    setter = getattr(library, f"_ZN4absl{len(name)}{name}14SetMinLogLevelENS0_"
+                     "18LogSeverityAtLeastE")
+  except (OSError, AttributeError, TypeError):
+    return False
+  setter(ctypes.c_int(int(level)))
+  return True
 
 
 def keep_native_line(line: str, verbosity: int) -> bool:

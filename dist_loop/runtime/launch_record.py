@@ -15,6 +15,10 @@ a wall time (`time.time()`):
 - `waited`: the cluster's ports are free again (`ports_free` false: it
   gave up, and takes new ones).
 - `exit`: the launcher ends with `code`.
+- `fork_server`: it started the fork server its tasks are forked from
+  (`tools/fork_server.py`) at `t`, with `pid`, ready (its `preload`
+  imported) at `ready`; or it could not, and `error` says why. Before the
+  first `start`, and before a `start` whose server had died.
 
 A line is one write (`files.append_json_line`), so a crash leaves at most a
 last line cut short, which `read` leaves out; any other line that is not
