@@ -99,3 +99,65 @@ def test_all_finite_and_unknown_names():
   assert not bool(optim.all_finite([tf.constant([np.nan])]))
   with pytest.raises(UserError, match="unknown --optimizer='lamb'.*adam"):
     optim.make("lamb", 0.1, [])
+
+
+def _train_adam(strategy, name, shared, per_replica_ok, lr_scale, monkeypatch):
+  """Three updates of two variables (one decayed by AdamW), with Adam's
+  values shared across variables or computed per variable by Keras's own
+  `update_step`; returns every variable's copies and the traced graph."""
+  monkeypatch.setattr(optim, "_plain_adam",
+                      lambda o: shared and isinstance(o, keras.optimizers.Adam))
+  rng = np.random.default_rng(0)
+  with strategy.scope():
+    variables = [keras.Variable(rng.normal(size=s).astype(np.float32))
+                 for s in ((3, 4), (4,))]
+    optimizer = optim.make(name, 0.1, variables, weight_decay=0.01)
+  grads = [tf.constant(rng.normal(size=(3,) + tuple(v.shape)), tf.float32)
+           for v in variables]
+
+  @tf.function(autograph=False)
+  def step(i):
+    def replica():
+      ok = tf.constant(True)
+      if per_replica_ok:  # Replica 1 skips the second update.
+        index = tf.distribute.get_replica_context().replica_id_in_sync_group
+        ok = tf.logical_not(tf.logical_and(tf.equal(index, 1),
+                                           tf.equal(i, 1)))
+      optim.apply_reduced(optimizer, [g[i] for g in grads], variables, ok,
+                          lr_scale, per_replica_ok=per_replica_ok,
+                          learning_rate=tf.constant(0.05) * tf.cast(
+                              i + 1, tf.float32))
+    strategy.run(replica)
+
+  for i in range(3):
+    step(tf.constant(i))
+  values = [copy for v in variables + optimizer.variables
+            for copy in _copies(strategy, v)]
+  graph = step.get_concrete_function(tf.constant(0)).graph.as_graph_def()
+  return values, graph
+
+
+@pytest.mark.parametrize("name,per_replica_ok,lr_scale", [
+    ("adam", False, None), ("adamw", True, 0.5)])
+def test_adam_shares_its_step_size_with_the_same_updates(
+    mirrored, monkeypatch, name, per_replica_ok, lr_scale):
+  """Adam's step size, computed once per device copy instead of per
+  variable: the same bits as Keras's `update_step`, with fewer ops."""
+  runs = {shared: _train_adam(mirrored, name, shared, per_replica_ok,
+                              None if lr_scale is None else
+                              tf.constant(lr_scale), monkeypatch)
+          for shared in (False, True)}
+  (keras_values, keras_graph), (values, graph) = runs[False], runs[True]
+  for ours, theirs in zip(values, keras_values):
+    np.testing.assert_array_equal(ours, theirs)
+  assert not np.array_equal(values[0], _copies(mirrored, keras.Variable(
+      np.zeros((3, 4), np.float32)))[0])  # Trained.
+
+  def pows(graph_def):
+    nodes = [*graph_def.node, *(node for f in graph_def.library.function
+                                for node in f.node_def)]
+    return sum(node.op == "Pow" for node in nodes)
+  # Two powers of the betas per step size: per device copy, not per
+  # variable and copy.
+  assert pows(keras_graph) == 2 * 2 * 2
+  assert pows(graph) == 2 * 2
