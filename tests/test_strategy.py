@@ -1,11 +1,19 @@
 """Strategies that share a process, and the two calls every mode uses to
 step out of replica context: cross_replica_call and on_first_replica."""
 
+import json
+import os
+import subprocess
+import sys
+
 import numpy as np
+import pytest
 import tensorflow as tf
 
+from conftest import REPO
 from dist_loop.runtime import devices
 from dist_loop.runtime import strategy as strategy_lib
+from tools import launch
 
 
 def _names(n=2):
@@ -108,3 +116,58 @@ def test_on_first_replica_returns_replica_0s_result_and_traces_once():
   # Another cache (another trainer) traces its own.
   strategy_lib.on_first_replica(strategy, {}, fn, tf.constant(5.0))
   assert len(traces) > traced
+
+
+# A worker of a two-worker MultiWorkerMirroredStrategy: variables of its
+# own values (the task index in them), made in `initial_values_from_chief`;
+# prints their values and how many broadcasts it ran.
+_WORKER = """
+import json
+from experiments import startup
+startup.start(0)
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.ops import collective_ops
+from dist_loop.runtime import cluster, strategy
+broadcasts = []
+for name in ("broadcast_send", "broadcast_recv"):
+  def counted(*args, _op=getattr(collective_ops, name), **kwargs):
+    broadcasts.append(1)
+    return _op(*args, **kwargs)
+  setattr(collective_ops, name, counted)
+task = cluster.current().task_index
+mwms = strategy.multi_worker(60, cluster.current(), join_timeout_s=60)
+with strategy.initial_values_from_chief(), mwms.scope():
+  made = [tf.Variable(np.full((2, 3), task + 0.5, np.float32)),
+          tf.Variable(np.int64(task + 7)),
+          tf.Variable(np.array([task, -0.0], np.float64)),
+          tf.Variable(np.bool_(task))]
+print(json.dumps({"broadcasts": len(broadcasts), "values": [
+    v.numpy().tolist() for v in made]}))
+"""
+
+
+@pytest.mark.timeout(180)
+def test_two_workers_take_the_chiefs_initial_values_in_one_collective():
+  """Each worker makes its variables with values of its own: after the
+  block both hold the chief's, bit for bit (-0.0 too), and only the bool,
+  a dtype sent otherwise, was broadcast on its own."""
+  spec = launch.cluster_spec(num_workers=2, num_ps=0)
+  procs = [subprocess.Popen(
+      [sys.executable, "-c", _WORKER], cwd=REPO, text=True,
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+      env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "TF_CONFIG": json.dumps(
+          {"cluster": spec, "task": {"type": "worker", "index": i}})})
+      for i in range(2)]
+  try:
+    outputs = [p.communicate(timeout=150)[0] for p in procs]
+  finally:
+    for p in procs:
+      p.kill()
+  for p, out in zip(procs, outputs):
+    assert p.returncode == 0, out
+  results = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
+  for result in results:
+    assert result["values"] == [[[0.5] * 3] * 2, 7, [0.0, -0.0], False]
+    assert np.signbit(result["values"][2][1])
+    assert result["broadcasts"] == 1

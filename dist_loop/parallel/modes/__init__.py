@@ -7,11 +7,15 @@ from dist_loop.parallel.modes import ps  # pylint: disable=unused-import
 from dist_loop.parallel.modes import sync  # Registers the modes.
 from dist_loop.parallel.modes.base import MODES, Report, Reporting, Trainer
 from dist_loop.parallel.modes.loop import LoopEnd, LoopTrainer, StepResult
+from dist_loop.runtime import strategy as strategy_lib
 
 
 def build_trainer(config, devices, dataset, cluster) -> Trainer:
-  """The registered `Trainer` of `config.mode`."""
-  return MODES.get(config.mode)(config, devices, dataset, cluster)
+  """The registered `Trainer` of `config.mode`; on several workers of a
+  MultiWorkerMirroredStrategy its variables take the chief's initial values
+  in one collective (`strategy.initial_values_from_chief`)."""
+  with strategy_lib.initial_values_from_chief():
+    return MODES.get(config.mode)(config, devices, dataset, cluster)
 
 
 __all__ = ["MODES", "LoopEnd", "LoopTrainer", "Report", "Reporting", "StepResult",
