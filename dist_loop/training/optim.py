@@ -17,10 +17,10 @@ with one (one run each). Local SGD's replicas each decide for themselves
 (`per_replica_ok`).
 
 What every variable's update computes alike is computed once per device
-copy and dtype (`_Rates`): the rate, and Adam's step size (the rate with
-its bias corrections), which Keras's `Adam.update_step` computes for each
-variable in 15 of the 36 ops it traces for it. For Adam and AdamW the rest
-of Keras's update is applied per variable with that step size
+copy and dtype (`_Rates`): the rate, and for Adam its step size (the rate
+with its bias corrections) and constants, which Keras's `Adam.update_step`
+makes for each variable in 18 of the 36 ops it traces for it. For Adam
+and AdamW the rest of Keras's update is applied per variable with them
 (`_adam_update`, op for op Keras's, so the values are the same to the
 bit): a smaller graph to trace at every start, and to optimise.
 
@@ -37,7 +37,7 @@ AdamW: `w -= lr * wd * w` before the optimizer's update, at the update's
 (scheduled) rate, skipping variables of rank < 2.
 """
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import keras
 import tensorflow as tf
@@ -228,13 +228,13 @@ def _update(strategy, optimizer, grads, variables, ok, lr_scale=None,
   def update_for(var):
     decay = wd is not None and optimizer._use_weight_decay(var)  # pylint: disable=protected-access
 
-    def update(copy, grad, lr, step_lr, step_size):
+    def update(copy, grad, lr, step_lr, adam):
       if decay:
         copy.assign_sub(copy * tf.cast(wd, copy.dtype) * lr)
-      if step_size is None:
+      if adam is None:
         optimizer.update_step(grad, copy, step_lr)
       else:
-        _adam_update(optimizer, grad, copy, step_size)
+        _adam_update(optimizer, grad, copy, adam)
       return tf.constant(True)
 
     def update_if(copy, grad, apply, *rate):
@@ -289,7 +289,7 @@ class _Rates:
     self._cache = {}
 
   def __call__(self, copy, rate):
-    """(rate, the update's rate, Adam's step size or None) for `copy`, a
+    """(rate, the update's rate, Adam's `_AdamShared` or None) for `copy`, a
     device copy of a variable; `rate` is () or (the update's rate,)."""
     key = (tf.compat.v1.get_default_graph(), copy.device, copy.dtype)
     if key not in self._cache:
@@ -298,9 +298,9 @@ class _Rates:
       step_lr = lr
       if self._lr_scale is not None:
         step_lr = lr * tf.cast(self._lr_scale, copy.dtype)
-      step_size = (_adam_step_size(self._optimizer, step_lr, copy.dtype)
-                   if self._adam else None)
-      self._cache[key] = lr, step_lr, step_size
+      adam = (_adam_shared(self._optimizer, step_lr, copy.dtype)
+              if self._adam else None)
+      self._cache[key] = lr, step_lr, adam
     return self._cache[key]
 
 
@@ -312,31 +312,43 @@ def _plain_adam(optimizer) -> bool:
           and not optimizer.amsgrad)
 
 
-# Keras's `Adam.update_step`, cut in two: the step size, the same for
-# every variable of a dtype on a device, and the update of one variable
-# with it. Op for op what Keras writes (`tests/test_optim.py` checks the
-# updates are equal to the bit).
-def _adam_step_size(optimizer, learning_rate, dtype):
+# Keras's `Adam.update_step`, cut in two: what is the same for every
+# variable of a dtype on a device (the step size, and the constants Keras
+# converts from Python floats again for each variable), and the update of
+# one variable with it. Op for op what Keras writes, the constants shared
+# (`tests/test_optim.py` checks the updates are equal to the bit).
+class _AdamShared(NamedTuple):
+  step_size: tf.Tensor
+  one_minus_beta_1: tf.Tensor
+  one_minus_beta_2: tf.Tensor
+  epsilon: tf.Tensor
+
+
+def _adam_shared(optimizer, learning_rate, dtype) -> _AdamShared:
   lr = ops.cast(learning_rate, dtype)
   local_step = ops.cast(optimizer.iterations + 1, dtype)
   beta_1_power = ops.power(ops.cast(optimizer.beta_1, dtype), local_step)
   beta_2_power = ops.power(ops.cast(optimizer.beta_2, dtype), local_step)
-  return lr * ops.sqrt(1 - beta_2_power) / (1 - beta_1_power)
+  step_size = lr * ops.sqrt(1 - beta_2_power) / (1 - beta_1_power)
+  # As `ops.multiply(x, 1 - beta_1)` converts its float for an x of dtype.
+  return _AdamShared(step_size, *(
+      tf.convert_to_tensor(value, dtype) for value in (
+          1 - optimizer.beta_1, 1 - optimizer.beta_2, optimizer.epsilon)))
 
 
-def _adam_update(optimizer, gradient, variable, step_size):
+def _adam_update(optimizer, gradient, variable, shared: _AdamShared):
   gradient = ops.cast(gradient, variable.dtype)
   index = optimizer._get_variable_index(variable)  # pylint: disable=protected-access
   m = optimizer._momentums[index]  # pylint: disable=protected-access
   v = optimizer._velocities[index]  # pylint: disable=protected-access
   optimizer.assign_add(
-      m, ops.multiply(ops.subtract(gradient, m), 1 - optimizer.beta_1))
+      m, ops.multiply(ops.subtract(gradient, m), shared.one_minus_beta_1))
   optimizer.assign_add(
       v, ops.multiply(ops.subtract(ops.square(gradient), v),
-                      1 - optimizer.beta_2))
+                      shared.one_minus_beta_2))
   optimizer.assign_sub(
-      variable, ops.divide(ops.multiply(m, step_size),
-                           ops.add(ops.sqrt(v), optimizer.epsilon)))
+      variable, ops.divide(ops.multiply(m, shared.step_size),
+                           ops.add(ops.sqrt(v), shared.epsilon)))
 
 
 def _local_results(strategy, results) -> List[tf.Tensor]:
