@@ -22,7 +22,8 @@ productive steps. Everything else is badput, in named phases:
   save; at the end, the wait for the last one).
 - `evaluation`: the `Evaluate` action.
 - `other`: the rest of an attempt's wall time (log lines, summaries, the
-  controller itself).
+  controller itself, and on several workers its SIGTERM agreement after
+  every loop, a collective: `preemption.Agreement`).
 - `downtime`: between attempts, from one attempt's last record to the next
   one's process start. A killed attempt's time after its last record is
   here too. Where `tools.launch` restarted the run, its record
