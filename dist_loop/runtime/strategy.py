@@ -128,11 +128,14 @@ _WORD_DTYPES = (tf.float32, tf.int32, tf.float64, tf.int64)
 @contextlib.contextmanager
 def initial_values_from_chief():
   """On every worker, the variables made inside (under this process's
-  MultiWorkerMirroredStrategy) end up with the chief's initial values, as
-  with the strategy's own broadcast per variable, but sent in one
-  all-gather when the block ends (nothing is sent if it raises). Until
-  then each worker holds its own values: none may be read inside. Without
-  a strategy of several workers, nothing changes."""
+  MultiWorkerMirroredStrategy) take the chief's initial values, as with the
+  strategy's own broadcast per variable, but all in one all-gather when the
+  block ends (nothing is sent if it raises). Until then each worker holds
+  its own values, and at the end every such variable takes the value the
+  chief's has then: what the block does with them must give the same on
+  every worker from the same values (local SGD's copy of its model does),
+  and nothing outside these variables may depend on them. Without a
+  strategy of several workers, nothing changes."""
   strategy = _multi_worker
   if (strategy is None or strategy.num_replicas_in_sync
       == len(strategy.extended.worker_devices)):
