@@ -99,3 +99,33 @@ def test_a_ps_chief_waits_for_its_servers_with_a_bound(caplog):
     ps.bind(("", ports[2]))
     ps.listen()
     strategy.wait_for_servers(cluster, timeout_s=1.0)  # Both up: returns.
+
+
+def test_a_worker_registers_only_once_the_leader_listens(monkeypatch):
+  """Worker 1 waits for worker 0, the coordination service's leader, to
+  listen before it joins (gRPC would retry a refused registration only
+  after its reconnect backoff); it gives up after the timeout in the join's
+  one line; the leader waits for nobody."""
+  ports = local_cluster.free_ports(2)
+  spec = local_cluster.cluster_spec(2, 0, ports)
+  follower = Cluster(spec, "worker", 1)
+  polls = []
+  monkeypatch.setattr(strategy.time, "sleep", polls.append)
+  with pytest.raises(ClusterError) as error:
+    strategy._wait_for_leader(follower, timeout_s=0.0)
+  assert str(error.value) == (
+      f"worker:0 (localhost:{ports[0]}) did not join the cluster within "
+      "--join_timeout_s=0; start every task of the cluster with the same "
+      "command, or check that worker:1 can reach them")
+  with socket.socket() as leader:
+    leader.bind(("", ports[0]))  # Bound, not listening: refused.
+
+    def sleep(seconds):  # The leader starts to listen while worker 1 waits.
+      polls.append(seconds)
+      leader.listen()
+
+    monkeypatch.setattr(strategy.time, "sleep", sleep)
+    polls.clear()
+    strategy._wait_for_leader(follower, timeout_s=60.0)
+    assert polls == [strategy._LEADER_POLL_S]  # Then it returned.
+  strategy._wait_for_leader(Cluster(spec, "worker", 0), timeout_s=0.0)

@@ -201,7 +201,8 @@ def _take_chiefs(strategy, variables) -> None:
 # cluster's coordination service (on the chief, or worker 0), which waits
 # for every task; by default it waits forever for one that never starts.
 # The service's own registration barrier bounds that wait on every task,
-# and names the tasks it waited for.
+# and names the tasks it waited for. A task that is not the leader first
+# waits for the leader to listen (`_wait_for_leader`).
 
 _TASK = re.compile(r"/job:(\w+)/replica:\d+/task:(\d+)")
 
@@ -220,6 +221,7 @@ def _join(cluster: Cluster, timeout_s: float, build):
       num_accelerators={"GPU": len(tf.config.list_physical_devices("GPU"))})
   # Said before, not during: the build holds the interpreter while it waits.
   _say_waiting(cluster, _not_listening(cluster), timeout_s)
+  _wait_for_leader(cluster, timeout_s)
   try:
     return build(resolver)
   except tf.errors.DeadlineExceededError as e:
@@ -230,6 +232,33 @@ def _join(cluster: Cluster, timeout_s: float, build):
         f"({cluster_lib.describe(e)}); check that its address "
         f"{dict(cluster.tasks())[cluster.task_name]} is free on this host "
         "and that every task was given the same cluster") from None
+
+
+# How often a task that is not the leader looks whether the leader listens.
+_LEADER_POLL_S = 0.01
+
+
+def _wait_for_leader(cluster: Cluster, timeout_s: float) -> None:
+  """Returns once the coordination service's leader accepts connections (at
+  once on the leader itself). A task registers with the leader as it builds
+  the strategy; one that tries before the leader listens is retried by
+  gRPC only after its reconnect backoff, about a second, which every worker
+  then waits in the barrier. Looking every `_LEADER_POLL_S` first, the
+  registration goes through as soon as the leader is up.
+
+  Raises:
+    ClusterError: the leader did not listen within `timeout_s` (the line of
+      a join that timed out).
+  """
+  leader = _leader_name(cluster)
+  if leader == cluster.task_name:
+    return
+  address = dict(cluster.tasks())[leader]
+  deadline = time.monotonic() + timeout_s
+  while not _listening(address):
+    if time.monotonic() > deadline:
+      raise ClusterError(_join_line(cluster, timeout_s, [leader]))
+    time.sleep(_LEADER_POLL_S)
 
 
 def _configure_coordination(cluster: Cluster, timeout_s: float) -> None:
@@ -256,6 +285,12 @@ def _leader(spec: tf.train.ClusterSpec) -> str:
   """The task that runs the coordination service, as TensorFlow picks it."""
   from tensorflow.python.distribute import multi_worker_util  # pylint: disable=g-import-not-at-top
   return multi_worker_util.coordination_leader(spec)
+
+
+def _leader_name(cluster: Cluster) -> str:
+  """The leader as `cluster` names its tasks ("worker:0")."""
+  return "{}:{}".format(*_TASK.search(
+      _leader(tf.train.ClusterSpec(cluster.as_dict()))).groups())
 
 
 def _say_waiting(cluster: Cluster, down, timeout_s: float) -> None:
@@ -320,9 +355,11 @@ def _not_joined(cluster: Cluster, timeout_s: float, error) -> str:
   waited = text.partition("timed out task names:")[2].partition("\n\n")[0]
   names = list(dict.fromkeys(  # The message repeats them.
       f"{job}:{index}" for job, index in _TASK.findall(waited)))
-  if not names:
-    names = ["{}:{}".format(*_TASK.search(
-        _leader(tf.train.ClusterSpec(cluster.as_dict()))).groups())]
+  return _join_line(cluster, timeout_s, names or [_leader_name(cluster)])
+
+
+def _join_line(cluster: Cluster, timeout_s: float, names) -> str:
+  """The one line for a join that timed out waiting for the tasks `names`."""
   addresses = dict(cluster.tasks())
   missing = _named((n, addresses.get(n, "?")) for n in names)
   return (f"{missing} did not join the cluster within --join_timeout_s="
