@@ -437,6 +437,102 @@ def test_chunk_timer_times_each_chunks_own_ops_on_every_device():
   assert timer.durations().shape == (2, len(timer.row))
 
 
+def test_host_timer_times_each_chunks_own_actions_without_timestamps(
+    op_determinism):
+  del op_determinism  # Which refuses timestamps.
+  chunks, x, y = _dense_chunks()
+  task = tasks.TASKS.get("classification")()
+  timer = timing.HostTimer(chunks, x, y, task, ["/CPU:0", "/CPU:1"])
+  durations = timer.durations()
+  assert durations.shape == (1, len(timer.row))
+  assert (durations >= 0).all()
+  # Each action is timed as a call of its chunk's actions up to it, against
+  # the call before it (no action: the inputs' copies only).
+  ups = ((), ("F",), ("F", "I"), ("F", "I", "W"), ("F", "B"))
+  assert set(timer.functions) == {(c, a) for c in (0, 1) for a in ups}
+  for (c, actions), fn in timer.functions.items():
+    concrete, = fn._list_all_concrete_functions()  # pylint: disable=protected-access
+    ops = _live(concrete)
+    assert not [op for op in ops if op.type == "Timestamp"]
+    # Crowded: every action on each device, built as the executor builds
+    # it (the matmuls that run, as in the test above).
+    sends = len(chunks[c]) if c else 0
+    each = {"F": len(chunks[c]), "W": len(chunks[c]), "I": sends,
+            "B": len(chunks[c]) + sends}
+    for d in (0, 1):
+      assert sum(op.type == "MatMul" and tf.DeviceSpec.from_string(
+          op.device).device_index == d for op in ops) == sum(
+              each[a] for a in actions), (c, actions, d)
+
+
+def test_the_deterministic_planner_times_the_runs_chunks_from_the_host(
+    tmp_path, op_determinism, monkeypatch):
+  # Under --deterministic the layers, then the chosen cut's chunks alone
+  # and crowded, are timed as the executor runs them, from the host; no
+  # layer is timed eagerly (measure_layers gives the sizes only).
+  del op_determinism
+  timers, eager = [], []
+  measure_layers = costs.measure_layers
+
+  class Recorded(timing.HostTimer):
+    def durations(self):
+      timers.append(self)
+      return super().durations()
+
+  def sizes_only(*args, repeats=3, **kwargs):
+    eager.append(repeats)
+    return measure_layers(*args, repeats=repeats, **kwargs)
+
+  monkeypatch.setattr(timing, "HostTimer", Recorded)
+  monkeypatch.setattr(costs, "measure_layers", sizes_only)
+  cfg = config(tmp_path, deterministic=True, intra_op_threads=1,
+               inter_op_threads=2, **pipeline("1f1b", 2, 4))
+  keras.utils.set_random_seed(cfg.seed)
+  plan = planner.plan(cfg, load_data(cfg),
+                      devices.configure(cfg.num_devices, "cpu"))
+  assert eager == [0]
+  cores = min(2, len(os.sched_getaffinity(0)))
+  timed = {id(t): t for t in timers}.values()
+  bounds = [s.start for s in plan.chosen.spans] + [plan.chosen.spans[-1].end]
+  layers = bounds[-1]
+  # One layer per chunk on one device; the chosen chunks alone; crowded.
+  assert sorted((len(t.executor.chunks), len(t.devices)) for t in timed) == (
+      sorted([(layers, 1), (2, 1)] + ([(2, 2)] if cores >= 2 else [])))
+  for t in timed:
+    if len(t.executor.chunks) == 2:
+      assert [len(c.layers) for c in t.executor.chunks] == [
+          b - a for a, b in zip(bounds, bounds[1:])]
+  assert len(plan.chosen.costs.crowded) == (2 if cores >= 2 else 0)
+
+
+def test_a_deterministic_plan_from_timings_names_the_flags_that_pin_it(
+    tmp_path, caplog):
+  names = devices.configure(2, "cpu")
+  flags = dict(pipeline("auto", 2, 4), stage_split="auto",
+               deterministic=True)
+  cfg = config(tmp_path, **flags)
+  dataset = load_data(cfg)
+  with caplog.at_level(logging.WARNING, logger="absl"):
+    plan = planner.plan(cfg, dataset, names, traced=False)
+  said = [r.getMessage() for r in caplog.records
+          if "--deterministic" in r.getMessage()]
+  assert len(said) == 1
+  pin = dict(re.findall(r"--(\w+)=(\S+)", said[0].split("pass ")[1]))
+  cut = [(s.start, s.end) for s in plan.chosen.spans]
+  assert pin == {"pipeline_schedule": plan.chosen.name,
+                 "stage_split": "explicit",
+                 "split_points": ",".join(str(a) for a, _ in cut[1:])}
+  # The flags give the same plan, chosen from no timing: no warning.
+  caplog.clear()
+  with caplog.at_level(logging.WARNING, logger="absl"):
+    pinned = planner.plan(config(tmp_path, **dict(flags, **pin)), dataset,
+                          names, traced=False)
+  assert pinned.chosen.name == plan.chosen.name
+  assert [(s.start, s.end) for s in pinned.chosen.spans] == cut
+  assert not [r for r in caplog.records if "--deterministic" in
+              r.getMessage()]
+
+
 def test_chunk_seconds_take_each_action_from_its_column():
   row = timing.timing_row(2)
   # Action j's durations are 10 (j + 1) plus 0..5 over 3 runs x 2 devices.

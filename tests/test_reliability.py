@@ -85,7 +85,7 @@ def test_rollback_gives_up_after_max_rollbacks(small_config):
 
 # Every mode that can roll back; async with one worker, whose updates are
 # sequential SGD, so that the two runs can be compared exactly. The pipeline
-# runs --deterministic: its planner then times the layers eagerly, which is
+# runs --deterministic, and plans from eagerly timed layers (`eager_costs`),
 # quicker to start than timing traced chunks (not what is tested here).
 ROLLBACK_MODES = {
     "sync": (sync.SyncTrainer, dict(num_devices=2)),
@@ -132,6 +132,7 @@ def _rollback(mode, small_config, tmp_path, monkeypatch):
 
 # Sync is the third mode: test_sync_rolls_back_falls_back_and_keeps_its_layout.
 @pytest.mark.parametrize("mode", ["async", "pipeline"])
+@pytest.mark.usefixtures("eager_costs")
 def test_transient_nonfinite_rollback_equals_uninterrupted(
     small_config, tmp_path, monkeypatch, mode):
   _rollback(mode, small_config, tmp_path, monkeypatch)

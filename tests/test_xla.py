@@ -17,7 +17,7 @@ from dist_loop import configure, train
 from dist_loop.control import weights
 from dist_loop.core.errors import UserError
 from dist_loop.models import MODELS
-from dist_loop.parallel.modes.pipeline import planner, timing
+from dist_loop.parallel.modes.pipeline import costs, planner, timing
 from dist_loop.runtime import devices
 from dist_loop.runtime.cluster import Cluster
 from helpers import load_data, make_trainer, variables
@@ -118,6 +118,49 @@ def test_the_pipeline_planner_times_the_compiled_chunks(small_config,
   assert costs.input_grad == costs.backward
   assert all(b > 0 for b in costs.backward)
   assert set(costs.weight_grad) == {0.0}
+
+
+def test_the_deterministic_planner_times_the_compiled_chunks_from_the_host(
+    small_config, monkeypatch):
+  # Op determinism refuses the timestamps: the planner times the same
+  # compiled chunks from the host, each action a call of the chunk's
+  # actions up to it, and times no layer eagerly.
+  timers, eager = [], []
+  measure_layers = costs.measure_layers
+
+  class Recorded(timing.HostTimer):
+    def durations(self):
+      timers.append(self)
+      return super().durations()
+
+  def sizes_only(*args, repeats=3, **kwargs):
+    eager.append(repeats)
+    return measure_layers(*args, repeats=repeats, **kwargs)
+
+  monkeypatch.setattr(timing, "HostTimer", Recorded)
+  monkeypatch.setattr(costs, "measure_layers", sizes_only)
+  config = configure.validate(small_config(
+      mode="pipeline", num_devices=2, num_stages=2, num_microbatches=2,
+      pipeline_schedule="1f1b", jit_compile=True, deterministic=True,
+      intra_op_threads=2, inter_op_threads=1), Cluster())  # As above.
+  keras.utils.set_random_seed(config.seed)
+  tf.config.experimental.enable_op_determinism()  # As train.run does.
+  plan = planner.plan(config, load_data(config), devices.configure(2, "cpu"))
+  assert eager == [0]  # Sizes only.
+  assert len({id(t) for t in timers}) == 2  # The layers; the chunks.
+  for timer in {id(t): t for t in timers}.values():
+    chunks = range(len(timer.executor.chunks))
+    # Each chunk's F, and its F then B (a compiled backward is whole),
+    # each against the call before it (no action: the inputs' copies).
+    assert set(timer.functions) == {(c, a) for c in chunks
+                                    for a in ((), ("F",), ("F", "B"))}
+    for (c, actions), fn in timer.functions.items():
+      concrete, = fn._list_all_concrete_functions()  # pylint: disable=protected-access
+      # The chunk's F compiled, in each call with an action.
+      assert (_xla_functions(concrete.graph) > 0) == bool(actions)
+  chosen = plan.chosen.costs
+  assert chosen.input_grad == chosen.backward
+  assert set(chosen.weight_grad) == {0.0}
 
 
 def test_local_sgd(small_config, tmp_path):

@@ -5,10 +5,12 @@ costs of a plan's chunks from them.
 runs it (`timing.py`, compiled with `--jit_compile`), on the first
 micro-batch only (B = I + W), to partition the model; the planner then
 times each candidate's own chunks (a chunk of n layers pays one action's
-overhead, not n), alone and crowded. Under op determinism timestamps are
-refused, and `measure_layers` times each layer eagerly instead (rough:
-eager dispatch adds time per op that a traced step does not pay, a lot for
-small micro-batches; and never compiled, even with `--jit_compile`).
+overhead, not n), alone and crowded. Under op determinism, which refuses
+timestamps, both are timed from the host (`timing.HostTimer`): the same
+chunks, compiled the same way, only less precisely. `measure_layers` times
+each layer eagerly (rough: eager dispatch adds time per op that a traced
+step does not pay, a lot for small micro-batches; and never compiled): a
+quicker start for tests, which plan without tracing.
 
 Sizes are counted at layer boundaries: a layer's backward needs its input
 and (for its activation's derivative) its output, so a chunk keeps
@@ -110,11 +112,12 @@ def measure_layers(layers, input_shape, batch_size: int,
 
 
 def measure(layers, dataset, microbatch: int, input_dtype: str, task,
-            device: str, traced: bool = True,
-            jit_compile: bool = False) -> List[LayerCost]:
+            device: str, traced: bool = True, jit_compile: bool = False,
+            host_timed: bool = False) -> List[LayerCost]:
   """Each layer's costs on one micro-batch of `dataset`'s training data:
-  `measure_traced` (compiled with `jit_compile`), or `measure_layers`
-  (eager, never compiled) if not `traced`."""
+  `measure_traced` (compiled with `jit_compile`, timed from the host with
+  `host_timed`), or `measure_layers` (eager, never compiled) if not
+  `traced`."""
   sizes = measure_layers(layers, dataset.input_shape, microbatch, input_dtype,
                          repeats=0 if traced else 3)
   if not traced:
@@ -123,12 +126,14 @@ def measure(layers, dataset, microbatch: int, input_dtype: str, task,
   return measure_traced(layers, sizes,
                         tf.constant(dataset.train_x[:microbatch]),
                         tf.constant(dataset.train_y[:microbatch]), task,
-                        device, jit_compile=jit_compile)
+                        device, jit_compile=jit_compile,
+                        host_timed=host_timed)
 
 
 def measure_traced(layers, layer_costs: Sequence[LayerCost], x, y, task,
                    device: str, repeats: int = 5,
-                   jit_compile: bool = False) -> List[LayerCost]:
+                   jit_compile: bool = False,
+                   host_timed: bool = False) -> List[LayerCost]:
   """`layer_costs` with the seconds of a traced run of each layer (each
   layer a chunk of `timing.measure_chunks`; B taken as I + W, or timed
   itself when compiled: these only balance the chunks, which are then
@@ -142,10 +147,12 @@ def measure_traced(layers, layer_costs: Sequence[LayerCost], x, y, task,
     device: where to run.
     repeats: timed runs (after one that traces).
     jit_compile: each layer compiled as the run's chunks are.
+    host_timed: timed from the host (`timing.HostTimer`), without
+      timestamps: under op determinism.
   """
   measured, _ = timing.measure_chunks(
       [[layer] for layer in layers], x, y, task, [device], repeats=repeats,
-      backward=False, jit_compile=jit_compile)
+      backward=False, jit_compile=jit_compile, host_timed=host_timed)
   return [dataclasses.replace(cost, forward=f, input_grad=i, weight_grad=w,
                               backward=b)
           for cost, (f, i, w, b) in zip(layer_costs, measured)]

@@ -174,8 +174,9 @@ class PipelineExecutor:
               inputs = inputs and [None if t is None else tf.identity(t)
                                    for t in inputs]
           with tf.control_dependencies(deps):
-            done = self._action(action, inputs, ys[r * m + i], loss_scale,
-                                sent, records, kept, accum[r], shares)
+            done = self.build_action(action, inputs, ys[r * m + i],
+                                     loss_scale, sent, records, kept,
+                                     accum[r], shares)
           if timed:
             with tf.control_dependencies(done):
               t1 = self._stamp(r, d)
@@ -189,9 +190,15 @@ class PipelineExecutor:
       out["starts"], out["ends"] = _stack(stamps)
     return out
 
-  def _action(self, action, inputs, labels, loss_scale, sent, records, kept,
-              accum, shares) -> List[tf.Tensor]:
-    """Builds one action's ops; returns the tensors that end it."""
+  def build_action(self, action, inputs, labels, loss_scale, sent, records,
+                   kept, accum, shares) -> List[tf.Tensor]:
+    """Builds one action's ops; returns the tensors that end it.
+
+    What it receives is `inputs`, what it sends goes into `sent`; what F
+    leaves for the backward and I for W is kept in `records` and `kept`.
+    The step builds every action with it, and so do the planner's timers
+    (`timing.py`).
+    """
     c, i = action.chunk, action.microbatch
     chunk = self.chunks[c]
     last = c == self.num_chunks - 1

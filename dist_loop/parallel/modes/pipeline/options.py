@@ -24,8 +24,9 @@ class PipelineOptions:
   stage_split: str = option(
       "auto", "How the layers are cut into the schedule's chunks (one or V per "
       "stage): auto (the model's own split if it declares one, else "
-      "balance measured time), params (balance parameter counts), explicit "
-      "(--split_points).", choices=STAGE_SPLITS, layout=True)
+      "balance measured time, which may cut another run differently), "
+      "params (balance parameter counts), explicit (--split_points).",
+      choices=STAGE_SPLITS, layout=True)
   split_points: str = option(
       "", "For --stage_split=explicit: C-1 increasing layer indices where "
       "chunks start (C chunks: K, or K*V with --virtual_stages), e.g. 2,4.",
@@ -36,7 +37,9 @@ class PipelineOptions:
   pipeline_schedule: str = option(
       "1f1b", "Registered pipeline schedule (gpipe, 1f1b, interleaved_1f1b, "
       "zb_h1, zbv, or one an extension adds), or auto: the fastest one the "
-      "cost model predicts within --pipeline_memory_mb.",
+      "cost model predicts within --pipeline_memory_mb, from timings, "
+      "which may choose another in another run or a resume (name one to "
+      "train identically under --deterministic).",
       choices=schedule.ScheduleChoices())
   virtual_stages: int = option(
       0, "Chunks of layers per device V: interleaved_1f1b puts V "

@@ -22,6 +22,10 @@ import numpy as np
 
 from dist_loop.core.errors import UserError
 
+# How a split balanced by measured time is named (`choose`): the one split
+# that depends on the timing.
+BY_TIME = "measured time"
+
 
 @dataclasses.dataclass(frozen=True)
 class ChunkSpan:
@@ -137,7 +141,7 @@ def choose(method: str, layers, num_chunks: int, split_points_text: str,
   elif declared is not None:
     points, how = list(declared), "the model's own split"
   else:
-    points, how = balance(seconds, num_chunks), "measured time"
+    points, how = balance(seconds, num_chunks), BY_TIME
   check_split_points(points, num_chunks, n, why)
   bounds = [0] + list(points) + [n]
   spans = []

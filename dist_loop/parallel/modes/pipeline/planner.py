@@ -13,12 +13,20 @@ For a named schedule the only candidate is that schedule, cut into its
 chunks; for `--pipeline_schedule=auto` every registered schedule that can
 run (K, M, V) is one. Each candidate is partitioned into its own chunks (C
 = K*V), given its chunks' costs (timed as chunks when the run measures
-traced costs, `timing.py`, compiled as the run's with `--jit_compile`,
-else summed from the layers'), and simulated
+traced costs, `timing.py`, compiled as the run's with `--jit_compile`
+and timed from the host under `--deterministic`, else summed from the
+layers'), and simulated
 (`simulator.py`) on the cores the devices share. Auto picks the fastest
 predicted step among the candidates whose predicted peak activation memory
 per device fits `--pipeline_memory_mb` (all of them without a budget), and
 the table of candidates goes to the log.
+
+What is chosen from timings (auto's schedule, a split balanced by measured
+time) can differ between two runs, or a run and its resume (which plans
+again), when candidates are predicted close: timings are wall-clock, even
+under `--deterministic`. Another schedule or split sums the same gradients
+in another order, so under `--deterministic` the log names the flags that
+pin the plan (`pinning`).
 """
 
 import dataclasses
@@ -69,9 +77,10 @@ def plan(config, dataset, devices: Sequence[str],
     dataset: the training data; one micro-batch of it is timed.
     devices: the run's devices; the first K (replica 0's) are timed on.
     traced: time as the executor runs (`timing.py`; with
-      `config.jit_compile` the compiled chunks), unless
-      `config.deterministic` (op determinism refuses timestamps); else
-      time each layer eagerly: rougher, quicker to start, not compiled.
+      `config.jit_compile` the compiled chunks; with
+      `config.deterministic`, which refuses timestamps, from the host);
+      else time each layer eagerly: rougher, quicker to start, not
+      compiled.
 
   Returns:
     The plan.
@@ -83,7 +92,6 @@ def plan(config, dataset, devices: Sequence[str],
   k, m = options.num_stages, options.num_microbatches
   replicas = len(devices) // k
   microbatch = config.global_batch_size // replicas // m
-  traced = traced and not config.deterministic
   task = tasks.for_dataset(dataset)
   probe = models.build_for(config, dataset)
   layers = probe.layers
@@ -91,12 +99,13 @@ def plan(config, dataset, devices: Sequence[str],
                         "float32")
   layer_costs = costs_lib.measure(layers, dataset, microbatch, input_dtype,
                                   task, devices[0], traced=traced,
-                                  jit_compile=config.jit_compile)
+                                  jit_compile=config.jit_compile,
+                                  host_timed=config.deterministic)
   cores = costs_lib.shared_cores(devices, config.intra_op_threads,
                                  config.inter_op_threads, replicas)
   measure = (timing.chunk_measurer(layers, dataset, microbatch, task,
                                    devices[:k], options.recompute, cores,
-                                   config.jit_compile)
+                                   config.jit_compile, config.deterministic)
              if traced else None)
   candidates, skipped = make_candidates(
       options, layers, layer_costs,
@@ -105,6 +114,13 @@ def plan(config, dataset, devices: Sequence[str],
   chosen = pick(candidates, options.pipeline_memory_mb)
   logging.info("pipeline schedules, predicted from the measured costs:\n%s",
                table(candidates, chosen, skipped))
+  pin = pinning(options, chosen)
+  if config.deterministic and pin:
+    logging.warning(
+        "--deterministic: this pipeline's plan was chosen from measured "
+        "times, and another run or a resume may choose another, which sums "
+        "the same gradients in another order; to train the same in every "
+        "run, pass %s", pin)
   if m < k:
     logging.warning(
         "--num_microbatches=%d < --num_stages=%d: the bubble (K-1)/(M+K-1) "
@@ -178,6 +194,19 @@ def make_candidates(
     candidates.append(Candidate(name, schedule, spans, how, chunk_costs,
                                 simulator.simulate(schedule, chunk_costs)))
   return candidates, skipped
+
+
+def pinning(options, chosen: Candidate) -> str:
+  """The flags that give `chosen` without timings ("" if its flags already
+  do): its schedule for auto, its split points for a split balanced by
+  measured time."""
+  flags = []
+  if options.pipeline_schedule == schedule_lib.AUTO:
+    flags.append(f"--pipeline_schedule={chosen.name}")
+  if chosen.split_how == partition.BY_TIME:
+    points = ",".join(str(s.start) for s in chosen.spans[1:])
+    flags += ["--stage_split=explicit", f"--split_points={points}"]
+  return " ".join(flags)
 
 
 def pick(candidates: Sequence[Candidate], memory_mb: float = 0.0
