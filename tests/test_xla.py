@@ -102,11 +102,15 @@ def test_the_pipeline_planner_times_the_compiled_chunks(small_config,
   config = configure.validate(small_config(
       mode="pipeline", num_devices=2, num_stages=2, num_microbatches=2,
       pipeline_schedule="1f1b", jit_compile=True,
-      # Two threads for one action: no crowded timing (it needs a core
-      # per device), which would compile every chunk once more.
-      intra_op_threads=2, inter_op_threads=1), Cluster())
+      # The pipeline flagfiles' threads, with which uncompiled chunks are
+      # also timed crowded (a core per device).
+      intra_op_threads=1, inter_op_threads=2), Cluster())
   plan = planner.plan(config, load_data(config), devices.configure(2, "cpu"))
-  assert len({id(t) for t in timers}) == 2  # The layers; the chunks.
+  # The layers; the chunks, alone only: crowded, the other device's copy
+  # would read the variables on the first, which XLA cannot.
+  assert len({id(t) for t in timers}) == 2
+  assert all(len(t.devices) == 1 for t in timers)
+  assert plan.chosen.costs.crowded == ()
   for timer in {id(t): t for t in timers}.values():
     chunks = len(timer.executor.chunks)
     assert {a.kind for a in timer.row} == {"F", "B"}
@@ -142,12 +146,13 @@ def test_the_deterministic_planner_times_the_compiled_chunks_from_the_host(
   config = configure.validate(small_config(
       mode="pipeline", num_devices=2, num_stages=2, num_microbatches=2,
       pipeline_schedule="1f1b", jit_compile=True, deterministic=True,
-      intra_op_threads=2, inter_op_threads=1), Cluster())  # As above.
+      intra_op_threads=1, inter_op_threads=2), Cluster())  # As above.
   keras.utils.set_random_seed(config.seed)
   tf.config.experimental.enable_op_determinism()  # As train.run does.
   plan = planner.plan(config, load_data(config), devices.configure(2, "cpu"))
   assert eager == [0]  # Sizes only.
   assert len({id(t) for t in timers}) == 2  # The layers; the chunks.
+  assert all(len(t.devices) == 1 for t in timers)  # Alone (as above).
   for timer in {id(t): t for t in timers}.values():
     chunks = range(len(timer.executor.chunks))
     # Each chunk's F, and its F then B (a compiled backward is whole),

@@ -18,7 +18,11 @@ With `--jit_compile` the timer's chunks are compiled as the run's are
 (`chunk.py`: F one XLA computation, B its gradient), so the plan is made
 from what will run. A compiled chunk's backward cannot be split: the timer
 then runs one micro-batch, F then B, and a chunk's I is its whole B and its
-W nothing (no schedule that splits B is a candidate).
+W nothing (no schedule that splits B is a candidate). Compiled chunks are
+timed alone only: the layers' variables are on the first device, and the
+crowded replicas on the others would read them from there, which a
+compiled function cannot (as data-parallel pipelines cannot compile,
+`validation.py`); the simulator then takes the alone times throughout.
 
 Op determinism (`--deterministic`) refuses the timestamp op. A `HostTimer`
 then times the same chunks, built by the same executor (compiled with
@@ -252,8 +256,9 @@ def chunk_measurer(layers, dataset, microbatch: int, task,
   """bounds -> `measure_chunks` of layers [bounds[c], bounds[c+1]), with
   each distinct cut measured once: crowded on as many of `devices` at once
   as run without sharing a core (`cores`: `costs.shared_cores`); compiled
-  with `jit_compile`; timed from the host with `host_timed`."""
-  devices = devices[:int(min(cores, len(devices)))]
+  with `jit_compile`, and then alone only (see the module docstring);
+  timed from the host with `host_timed`."""
+  devices = devices[:1 if jit_compile else int(min(cores, len(devices)))]
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   x = tf.constant(dataset.train_x[:microbatch])
   y = tf.constant(dataset.train_y[:microbatch])
