@@ -133,6 +133,10 @@ def validate(config: Config, cluster: cluster_lib.Cluster) -> Config:
                     "a multi-process mode (--mode=sync, local_sgd or ps)")
   trainer_class.check_capabilities(config)
   trainer_class.validate(config, cluster)
+  why = config.jit_compile is True and trainer_class.xla_refusal(config,
+                                                                  cluster)
+  if why:
+    raise UserError(why)
   return config
 
 

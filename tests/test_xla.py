@@ -162,7 +162,8 @@ def test_a_split_backward_is_refused_at_the_door(small_config, schedule):
       "--jit_compile")):
     configure.validate(small_config(
         mode="pipeline", num_devices=2, num_stages=2, num_microbatches=4,
-        pipeline_schedule=schedule, jit_compile=True), Cluster())
+        pipeline_schedule=schedule, model="deep_mlp", jit_compile=True),
+                       Cluster())
 
 
 def test_data_parallel_pipelines_are_refused_at_the_door(small_config):
