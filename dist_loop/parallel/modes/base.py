@@ -56,6 +56,8 @@ class Trainer(abc.ABC):
     input_wait_s: the seconds the last `train(n)` call's steps waited for
       their input, or None where the mode does not measure it (goodput's
       `input` phase, `dist_loop/runtime/goodput.py`).
+    xla_choice: whether `config.jit_compile` is on and why, the run's line
+      (set by `build_trainer`, `modes/xla.py`).
   """
 
   Options = NoOptions
@@ -80,6 +82,7 @@ class Trainer(abc.ABC):
   loss_scale = None
   is_chief: bool = True
   input_wait_s: Optional[float] = None
+  xla_choice: str = ""
 
   # -- before TensorFlow starts: class methods on the config --
 
@@ -149,7 +152,7 @@ class Trainer(abc.ABC):
     configuration alone (a valid one), or None.
 
     `configure.validate` refuses an explicit --jit_compile with this
-    message."""
+    message; --jit_compile=auto leaves XLA off for it (`modes/xla.py`)."""
     del config, cluster
     return None
 
@@ -157,8 +160,9 @@ class Trainer(abc.ABC):
   def xla_model_refusal(cls, model: keras.Model) -> Optional[str]:
     """Why --jit_compile cannot compile this mode's step over `model`, or
     None: `xla_state_refusal` if the model has non-trainable state. A
-    trainer refuses --jit_compile with it once its model is built
-    (`refuse_xla`)."""
+    trainer refuses an explicit --jit_compile with it once its model is
+    built (`refuse_xla`); --jit_compile=auto asks it of a throwaway build
+    of the model first (`modes/xla.py`)."""
     state = model.non_trainable_variables
     if cls.xla_state_refusal is None or not state:
       return None
@@ -185,6 +189,10 @@ class Trainer(abc.ABC):
 
   def __init__(self, config: Config, devices: List[str], dataset: Dataset,
                cluster: Cluster):
+    if not isinstance(config.jit_compile, bool):
+      raise TypeError(f"jit_compile={config.jit_compile!r}: build a trainer "
+                      "with modes.build_trainer, which decides "
+                      "--jit_compile=auto (modes/xla.py)")
     self.config = config
     self.options = config.mode_options
     self.devices = devices
