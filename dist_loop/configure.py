@@ -5,7 +5,9 @@ sits above the registries of modes, models, datasets, schedules, reducers
 and optimizers and checks names against them, then asks the chosen mode for
 its own rules.
 The flag layer and `run` both call `validate`, so a bad combination fails at
-parse time, before any work.
+parse time, before any work. `--jit_compile=auto` stays `auto` here: whether
+it compiles is decided as the trainer is built, where the devices and the
+model are known (`dist_loop/parallel/modes/xla.py`).
 
 A registered mode, model, dataset, schedule or reducer may declare
 `Options`, a dataclass of `option(...)` fields (`dist_loop/core/options.py`):
@@ -133,6 +135,10 @@ def validate(config: Config, cluster: cluster_lib.Cluster) -> Config:
                     "a multi-process mode (--mode=sync, local_sgd or ps)")
   trainer_class.check_capabilities(config)
   trainer_class.validate(config, cluster)
+  why = config.jit_compile is True and trainer_class.xla_refusal(config,
+                                                                  cluster)
+  if why:
+    raise UserError(why)
   return config
 
 

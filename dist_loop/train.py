@@ -110,8 +110,11 @@ def _run(config, flags_text, cluster):
       trainer = build_trainer(config, device_names, dataset, cluster)
       clock.lap("build")
       try:
-        return _train(config, trainer, dataset, cluster, flags_text,
-                      (clock, goodput.file_name(lock_name)))
+        # flags.txt records the flags as given (--jit_compile=auto); the
+        # run goes on with the trainer's config, where it is decided.
+        return _train(trainer.config, trainer, dataset, cluster,
+                      flags_text or config.to_flagfile(),
+                      (clock, goodput.file_name(lock_name)), config)
       finally:
         trainer.close()
     except tf.errors.OpError as e:
@@ -122,9 +125,11 @@ def _run(config, flags_text, cluster):
       raise error from None
 
 
-def _train(config, trainer, dataset, cluster, flags_text, record):
+def _train(config, trainer, dataset, cluster, flags_text, record, given):
   """Everything that writes to the workdir, in order. `record` is (the
-  start-up's `goodput.Clock`, the name of this process's goodput record)."""
+  start-up's `goodput.Clock`, the name of this process's goodput record);
+  `given` the config as given, which a resume compares with flags.txt
+  (`config` is the trainer's: --jit_compile decided)."""
   workdir = config.workdir
   previous_flags = workdir_lib.previous_flags(config)
   # --allow_config_change let a changed optimizer through: fresh slots.
@@ -144,8 +149,7 @@ def _train(config, trainer, dataset, cluster, flags_text, record):
   summary_path = os.path.join(workdir, SUMMARY_FILE)
   previous = _read_summary(summary_path)
   if trainer.is_chief:
-    _write(os.path.join(workdir, FLAGS_FILE),
-           flags_text or config.to_flagfile())
+    _write(os.path.join(workdir, FLAGS_FILE), flags_text)
   recorder = goodput.Recorder(os.path.join(workdir, record_name), clock, {
       "checkpoint_every": config.checkpoint_every,
       "expected_failure_interval_s": config.expected_failure_interval_s,
@@ -159,7 +163,8 @@ def _train(config, trainer, dataset, cluster, flags_text, record):
     summaries.hparams(_hparams(config))
     logging.info("%s", console.banner(config, trainer.devices, trainer.model,
                                       dataset, cluster))
-    changed = (config.changes(previous_flags) if resumed and previous_flags
+    logging.info("%s", trainer.xla_choice)
+    changed = (given.changes(previous_flags) if resumed and previous_flags
                else [])
     if changed:
       logging.info("%s", _changes_line(changed, bool(fresh)))

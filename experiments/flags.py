@@ -79,11 +79,52 @@ def _numeric_parser(spec: options_lib.Spec) -> flags.ArgumentParser:
   return parser
 
 
+class _AutoBoolParser(flags.BooleanParser):
+  """absl's boolean parser, also taking `auto` (`options.AutoBool`)."""
+
+  syntactic_help = "|".join(options_lib.AutoBool.NAMES)
+
+  def parse(self, argument):
+    if (isinstance(argument, str)
+        and argument.strip().lower() == options_lib.AUTO):
+      return options_lib.AUTO
+    try:
+      return super().parse(argument)
+    except (TypeError, ValueError):
+      raise ValueError(f"value should be one of <{self.syntactic_help}>"
+                       ) from None
+
+  def flag_type(self) -> str:
+    return "bool or auto"
+
+
+class _AutoBoolFlag(flags.Flag):
+  """The flag of an `auto_option`: boolean to absl, which gives it 'true'
+  for a bare `--name` and 'false' for `--noname`, so both keep working
+  beside `--name=auto|true|false`."""
+
+  def __init__(self, spec: options_lib.Spec):
+    super().__init__(_AutoBoolParser(), None, spec.name, spec.default,
+                     spec.help, boolean=True)
+
+  def _serialize(self, value) -> str:
+    if value == options_lib.AUTO:
+      return f"--{self.name}={options_lib.AUTO}"
+    return super()._serialize(value)
+
+  def _get_parsed_value_as_string(self, value):
+    if value == options_lib.AUTO:
+      return repr(options_lib.AUTO)
+    return super()._get_parsed_value_as_string(value)
+
+
 def _define(spec: options_lib.Spec, group: str) -> None:
   """One absl flag for `spec`, listed under `group` in --helpfull.
   Registry choices are checked with the config, as registered names are."""
   common = dict(module_name=group)
-  if spec.type is bool:
+  if spec.type is options_lib.AutoBool:
+    flags.DEFINE_flag(_AutoBoolFlag(spec), **common)
+  elif spec.type is bool:
     flags.DEFINE_bool(spec.name, spec.default, spec.help, **common)
   elif spec.type in (int, float):
     flags.DEFINE(_numeric_parser(spec), spec.name, spec.default, spec.help,

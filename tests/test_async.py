@@ -19,10 +19,10 @@ from dist_loop.control import weights
 from dist_loop.control.evaluation import Evaluator
 from dist_loop.core.errors import Interrupted
 from dist_loop.data import train_dataset_fn
+from dist_loop.parallel.modes import build_trainer
 from dist_loop.parallel.modes.asynchronous import threads
 from dist_loop.parallel.modes.asynchronous.session import Session
 from dist_loop.parallel.modes.asynchronous.threads import WorkerFailed
-from dist_loop.parallel.modes.asynchronous.trainer import AsyncTrainer
 from dist_loop.runtime import checkpoints, devices
 from dist_loop.runtime.cluster import Cluster
 from dist_loop.runtime.summaries import LOGDIR
@@ -38,7 +38,7 @@ def build(config):
   split = load_data(config)
   names = devices.configure(config.num_devices, "cpu")
   keras.utils.set_random_seed(config.seed)
-  return AsyncTrainer(config, names, split, Cluster()), split
+  return build_trainer(config, names, split, Cluster()), split
 
 
 def test_a_stop_ends_every_wait_within_a_poll():

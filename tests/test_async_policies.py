@@ -18,9 +18,9 @@ import tensorflow as tf
 
 from helpers import load_data
 from dist_loop import UserError, configure, data, models, tasks
+from dist_loop.parallel.modes import build_trainer
 from dist_loop.parallel.modes.asynchronous import policies
 from dist_loop.parallel.modes.asynchronous.applier import Applier
-from dist_loop.parallel.modes.asynchronous.trainer import AsyncTrainer
 from dist_loop.parallel.modes.asynchronous.worker import Push, Worker
 from dist_loop.runtime import devices
 from dist_loop.runtime.cluster import Cluster
@@ -213,7 +213,7 @@ def fp16_trainer(small_config, **overrides):
       learning_rate=0.01, **overrides), Cluster())
   names = devices.configure(config.num_devices, "cpu")
   keras.utils.set_random_seed(config.seed)
-  return AsyncTrainer(config, names, load_data(config), Cluster())
+  return build_trainer(config, names, load_data(config), Cluster())
 
 
 def fresh_push(trainer, worker):

@@ -204,20 +204,21 @@ def test_every_other_flagfile_parses_and_builds_its_trainer(
 
 
 COMPONENT_FIELDS = dist_loop.core.config.COMPONENT_FIELDS
-FLAG_TYPES = {bool: "bool", int: "int", float: "float", str: "string"}
+FLAG_TYPES = {bool: "bool", int: "int", float: "float", str: "string",
+              options_lib.AutoBool: "bool or auto"}
 
 
 def test_every_config_field_is_a_flag_with_its_default_and_type():
   fields = [f for f in dataclasses.fields(Config)
             if f.name not in COMPONENT_FIELDS]
+  kinds = {spec.name: spec.type for spec in options_lib.specs(Config)}
   for field in fields:
     flag = flags.FLAGS[field.name]
     default = (None if field.default is dataclasses.MISSING
                else field.default)
     assert flag.default == default, field.name
-    kind = str if default is None else type(default)
-    assert flag.parser.flag_type() in (FLAG_TYPES[kind], "string enum"), (
-        field.name)
+    assert flag.parser.flag_type() in (FLAG_TYPES[kinds[field.name]],
+                                       "string enum"), field.name
     assert field.metadata["help"] in flag.help, field.name
   assert flags.FLAGS["workdir"].default is None  # Required: no default.
 

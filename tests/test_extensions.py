@@ -9,15 +9,17 @@ from absl import flags
 from absl.testing import flagsaver
 
 from conftest import max_diff
-from dist_loop import make_config
+from dist_loop import configure, make_config
 from dist_loop.models import MODELS
-from dist_loop.parallel.modes import MODES
+from dist_loop.parallel.modes import MODES, build_trainer, xla
 from dist_loop.parallel.modes.asynchronous import policies
 from dist_loop.parallel.modes.pipeline import schedule as schedule_lib
+from dist_loop.runtime import devices
+from dist_loop.runtime.cluster import Cluster
 from experiments import flags as run_flags
 from experiments.extensions import eager_1f1b, exp_staleness, residual_cnn
 from experiments.extensions import single_device
-from helpers import initial_and_trained, make_trainer
+from helpers import initial_and_trained, load_data, make_trainer
 
 
 def test_each_extension_is_registered_under_its_flag_value():
@@ -128,12 +130,28 @@ def test_single_device_jit_compile_is_the_run_wide_flag():
     config = _parse("--mode=single_device", "--jit_compile")
     assert config.jit_compile is True
     assert "--jit_compile\n" in run_flags.to_flagfile()
-  with flagsaver.flagsaver():
-    assert _parse("--mode=single_device").jit_compile is False
+  with flagsaver.flagsaver():  # Decided as its trainer is built.
+    assert _parse("--mode=single_device").jit_compile == "auto"
   with flagsaver.flagsaver():
     assert _parse("--mode=sync", "--jit_compile").jit_compile is True
   assert make_config(workdir="w", mode="single_device",
                      jit_compile=True).jit_compile is True
+
+
+def test_single_device_follows_the_auto_rule_of_every_mode(small_config):
+  """On CPU its update is not compiled; on (faked) GPUs it would be."""
+  config = configure.validate(small_config(mode="single_device"), Cluster())
+  dataset = load_data(config)
+  gpu = ["/job:localhost/replica:0/task:0/device:GPU:0"]
+  assert xla.resolve(config, gpu, dataset, Cluster())[0].jit_compile is True
+  trainer = build_trainer(config, devices.configure(1, "cpu"), dataset,
+                          Cluster())
+  try:
+    assert trainer.config.jit_compile is False
+    assert trainer.xla_choice.startswith("XLA: off (--jit_compile=auto on "
+                                         "CPU")
+  finally:
+    trainer.close()
 
 
 def test_single_device_refuses_several_devices():

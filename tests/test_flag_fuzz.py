@@ -344,6 +344,8 @@ def test_a_run_that_trains_does_so_as_a_new_process_with_its_own_lines(
       "banner": r"^sync on \d devices? \(CPU:0(, CPU:\d)*\)  \|  \w+: "
                 r"[\d,]+ parameters  \|  \w+: [\d,]+ train / [\d,]+ eval "
                 r"examples  \|  2 steps of \d+$",
+      "xla": r"^XLA: off \(--jit_compile=auto on CPU; --jit_compile to "
+             r"compile\)$",
       "progress": r"^step [12]/2  loss \S+  acc \S+  \d+ ex/s  "
                   r"eta \d+:\d\d:\d\d$",
       "eval": r"^step 2  eval/loss \S+  eval/accuracy \S+$",
@@ -357,6 +359,7 @@ def test_a_run_that_trains_does_so_as_a_new_process_with_its_own_lines(
   assert sum(k == ["start-up"] for k in seen) == 1, "\n".join(text)
   seen = [k for k in seen if k != ["start-up"]]
   every_step = ["checkpoint"] if "--checkpoint_every=1" in args else []
-  assert seen == [["banner"], ["progress"], *[[k] for k in every_step],
+  assert seen == [["banner"], ["xla"], ["progress"],
+                  *[[k] for k in every_step],
                   ["progress"], ["eval"], ["checkpoint"]], "\n".join(text)
   assert result.stdout.startswith("done: step 2, eval accuracy ")

@@ -25,7 +25,7 @@ from helpers import load_data
 from dist_loop import configure, make_config, models, tasks
 from dist_loop.core.errors import UserError
 from dist_loop.models import MODELS
-from dist_loop.parallel.modes import build_trainer
+from dist_loop.parallel.modes import build_trainer, xla
 from dist_loop.parallel.modes.pipeline import PipelineTrainer, costs, planner
 from dist_loop.parallel.modes.pipeline import timing
 from dist_loop.parallel.modes.pipeline.chunk import Chunk
@@ -325,6 +325,8 @@ def test_plan_cuts_the_probe_the_run_starts_from(tmp_path):
   cfg = config(tmp_path, **pipeline("zbv", 2, 4))
   names = devices.configure(cfg.num_devices, "cpu")
   dataset = load_data(cfg)
+  # As the trainer plans: with --jit_compile=auto decided (off on CPU).
+  cfg = xla.resolve(cfg, names, dataset, LOCAL)[0]
   keras.utils.set_random_seed(cfg.seed)
   plan = planner.plan(cfg, dataset, names, traced=False)
   keras.utils.set_random_seed(cfg.seed)

@@ -4,22 +4,33 @@ Each mode with `--jit_compile` equals the same mode without it to 1e-4
 (XLA fuses and reorders float math, docs/modes.md#xla), crossed with the
 precisions and the sync reductions; a resume equals an uninterrupted run
 exactly with it on, dropout included; what cannot compile is refused at
-parse time.
+parse time. The default, `auto` (`modes/xla.py`): the flag's values, the
+rule on faked GPUs, and on CPU a run equal bit for bit to one without XLA,
+whose checkpoint a run with XLA resumes.
 """
+
+import logging
+import random
+import re
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from absl import flags
+from absl.testing import flagsaver
 
-from conftest import max_diff
+from conftest import checkpoint_variables, max_diff, run_main
 from dist_loop import configure, train
 from dist_loop.control import weights
 from dist_loop.core.errors import UserError
 from dist_loop.models import MODELS
-from dist_loop.parallel.modes.pipeline import costs, planner, timing
+from dist_loop.parallel.modes import xla
+from dist_loop.parallel.modes.pipeline import PipelineTrainer, costs, planner, timing
+from dist_loop.parallel.modes.ps import PSTrainer
 from dist_loop.runtime import devices
 from dist_loop.runtime.cluster import Cluster
+from experiments import flags as run_flags
 from helpers import load_data, make_trainer, variables
 
 STEPS = 4
@@ -210,7 +221,8 @@ def test_a_split_backward_is_refused_at_the_door(small_config, schedule):
       "--jit_compile")):
     configure.validate(small_config(
         mode="pipeline", num_devices=2, num_stages=2, num_microbatches=4,
-        pipeline_schedule=schedule, jit_compile=True), Cluster())
+        pipeline_schedule=schedule, model="deep_mlp", jit_compile=True),
+                       Cluster())
 
 
 def test_data_parallel_pipelines_are_refused_at_the_door(small_config):
@@ -257,3 +269,136 @@ def test_xla_is_one_function_call_per_call():
   graph = outer.get_concrete_function(tf.TensorSpec([2])).graph
   assert _xla_functions(graph) == 1
   assert outer(tf.constant([1.0, 2.0])).numpy().tolist() == [2.0, 4.0]
+
+
+# -- --jit_compile=auto, the default --
+
+
+@pytest.mark.parametrize("args, value", [
+    ((), "auto"), (("--jit_compile=auto",), "auto"),
+    (("--jit_compile",), True), (("--jit_compile=true",), True),
+    (("--nojit_compile",), False), (("--jit_compile=false",), False)])
+def test_the_flag_is_auto_true_or_false(args, value):
+  def parsed(*argv):
+    with flagsaver.flagsaver():
+      flags.FLAGS.unparse_flags()
+      flags.FLAGS(["train", "--workdir=/tmp/unused", *argv])
+      return run_flags.to_config()
+
+  config = parsed(*args)
+  assert (config.jit_compile, type(config.jit_compile)) == (value,
+                                                            type(value))
+  # flags.txt's line reads back as the same value.
+  line = next(l for l in config.to_flagfile().splitlines() if "jit" in l)
+  assert parsed(line).jit_compile == config.jit_compile
+
+
+def test_a_bad_value_is_one_line_naming_the_choices(tmp_path, small_config):
+  code, out, err = run_main(f"--workdir={tmp_path / 'run'}",
+                            "--jit_compile=maybe")
+  assert (code, out) == (1, "")
+  assert err == ("FATAL Flags parsing error: flag --jit_compile=maybe: "
+                 "value should be one of <auto|true|false>\n")
+  assert not (tmp_path / "run").exists()
+  with pytest.raises(UserError, match=(
+      "^unknown --jit_compile='yes'; choose one of: auto, true, false$")):
+    configure.validate(small_config(jit_compile="yes"), Cluster())
+
+
+GPUS = [f"/job:localhost/replica:0/task:0/device:GPU:{i}" for i in range(4)]
+PS_CLUSTER = Cluster({"chief": ["c:1"], "worker": ["a:1"], "ps": ["p:1"]},
+                     "chief", 0)
+PIPELINE = dict(mode="pipeline", num_stages=2, num_microbatches=4)
+
+
+@pytest.mark.parametrize("flat, on_gpus, why", [
+    (dict(num_devices=2), True, None),
+    (dict(PIPELINE, num_devices=2), True, None),
+    (dict(PIPELINE, num_devices=4), False,
+     "--jit_compile cannot compile 2 data-parallel pipelines"),
+    (dict(PIPELINE, num_devices=2, pipeline_schedule="zbv",
+          model="deep_mlp"), False,
+     "--jit_compile cannot compile --pipeline_schedule=zbv"),
+    (dict(PIPELINE, num_devices=2, model="test_dropout_mlp"), False,
+     "--mode=pipeline --jit_compile: the model has non-trainable state"),
+    (dict(mode="ps"), True, None),
+    (dict(mode="ps", model="test_dropout_mlp"), False,
+     "--mode=ps --jit_compile runs the model on weights read from the PSs, "
+     "and the model has non-trainable state"),
+], ids=["sync", "pipeline", "pipeline_data_parallel", "pipeline_zbv",
+        "pipeline_dropout", "ps", "ps_dropout"])
+def test_auto_compiles_on_gpus_what_an_explicit_flag_may_compile(
+    small_config, flat, on_gpus, why):
+  """GPUs faked by their names (nothing runs on them): on where the mode
+  can compile the run, off with the refusal an explicit --jit_compile
+  gets; off on CPU whatever the mode."""
+  cluster = PS_CLUSTER if flat.get("mode") == "ps" else Cluster()
+  config = configure.validate(small_config(**flat), cluster)
+  dataset = load_data(config)
+  gpus = GPUS[:config.num_devices]
+  seeds = random.getstate(), np.random.get_state()[1].tolist()
+  resolved, line = xla.resolve(config, gpus, dataset, cluster)
+  # A throwaway model's initialisers gave back the seeds they drew.
+  assert (random.getstate(), np.random.get_state()[1].tolist()) == seeds
+  assert resolved.jit_compile is on_gpus
+  assert resolved == config.replace(jit_compile=on_gpus)
+  if on_gpus:
+    assert line == ("XLA: on (--jit_compile=auto on GPU; --nojit_compile "
+                    "not to compile)")
+  else:
+    assert line.startswith(f"XLA: off (--jit_compile=auto on GPU, but "
+                           f"{why}"), line
+  names = devices.configure(config.num_devices, "cpu")
+  assert xla.resolve(config, names, dataset, cluster) == (
+      config.replace(jit_compile=False),
+      "XLA: off (--jit_compile=auto on CPU; --jit_compile to compile)")
+  # An explicit value passes as it is; where auto is off, --jit_compile is
+  # refused with the same reason (a model's: once it is built).
+  for value in (True, False):
+    assert xla.resolve(config.replace(jit_compile=value), gpus, dataset,
+                       cluster)[0].jit_compile is value
+  if why and "non-trainable" not in why:
+    with pytest.raises(UserError, match="^" + re.escape(why)):
+      configure.validate(config.replace(jit_compile=True), cluster)
+
+
+@pytest.mark.parametrize("trainer_class", [PipelineTrainer, PSTrainer])
+def test_a_model_refusal_names_the_models_state(small_config, trainer_class):
+  config = small_config(model="test_dropout_mlp")
+  model = xla._throwaway_model(config, load_data(config))  # pylint: disable=protected-access
+  why = trainer_class.xla_model_refusal(model)
+  assert why == trainer_class.xla_state_refusal.format(
+      variable=model.non_trainable_variables[0].path)
+  plain = small_config()
+  assert trainer_class.xla_model_refusal(
+      xla._throwaway_model(plain, load_data(plain))) is None  # pylint: disable=protected-access
+
+
+def test_on_cpu_the_default_run_is_the_run_without_xla(small_config,
+                                                      tmp_path, caplog):
+  """Bit for bit; and a checkpoint written with XLA resumes without it."""
+  common = dict(train_steps=4, steps_per_loop=2, log_every=2,
+                eval_every=4, checkpoint_every=2, optimizer="adam",
+                learning_rate=0.01)
+  caplog.set_level(logging.INFO, logger="absl")
+  runs = {}
+  for name, flat in (("auto", {}), ("off", dict(jit_compile=False))):
+    runs[name] = small_config(workdir=str(tmp_path / name), **common, **flat)
+    assert train.run(runs[name])["jit_compile"] is False
+  assert ("XLA: off (--jit_compile=auto on CPU; --jit_compile to "
+          "compile)\n") in caplog.text
+  assert "XLA: off (--nojit_compile)\n" in caplog.text
+  auto, off = (checkpoint_variables(runs[n]) for n in ("auto", "off"))
+  for a, b in zip(auto, off):
+    np.testing.assert_array_equal(a, b)
+  with open(tmp_path / "auto" / "flags.txt") as f:
+    assert "--jit_compile=auto\n" in f.read()  # As given; decided at start.
+
+  resumed = small_config(workdir=str(tmp_path / "resumed"), **common)
+  assert train.run(resumed.replace(train_steps=2, jit_compile=True))[
+      "jit_compile"] is True
+  caplog.clear()
+  assert train.run(resumed)["jit_compile"] is False
+  assert ("changed since the checkpoint: --train_steps: 2 -> 4; "
+          "--jit_compile: True -> auto\n") in caplog.text
+  assert max_diff(checkpoint_variables(resumed), auto) <= TOLERANCE

@@ -15,12 +15,12 @@ do.
 """
 
 import dataclasses
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from dist_loop.core import aliases
 from dist_loop.core import options as options_lib
 from dist_loop.core.errors import UserError
-from dist_loop.core.options import REQUIRED, option
+from dist_loop.core.options import REQUIRED, auto_option, option
 
 DEVICE_TYPES = ("auto", "cpu", "gpu")
 PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
@@ -144,10 +144,12 @@ class Config:
   profile_steps: str = option(
       "", "FIRST,LAST: write a TF profiler trace of these steps to "
       "TensorBoard's Profile tab.", group=_LOOP)
-  jit_compile: bool = option(
-      False, "Compile each replica's forward, backward and local math with "
-      "XLA, in every mode whose step is traced; the collectives stay "
-      "outside the compiled region (docs/modes.md#xla---jit_compile).",
+  jit_compile: Union[bool, str] = auto_option(
+      "Compile each replica's forward, backward and local math with XLA, "
+      "in every mode whose step is traced; the collectives stay outside the "
+      "compiled region. auto: on where the run trains on GPUs and its mode "
+      "can compile it, off on CPU; --jit_compile or --nojit_compile forces "
+      "it (docs/modes.md#xla---jit_compile).",
       group=_PRECISION)
   precision: str = option(
       "float32", "Compute dtype policy; master weights stay float32. "

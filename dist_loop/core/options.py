@@ -12,6 +12,9 @@ never FLAGS.
 
 Two components may declare the same option (async and ps share
 `--max_staleness`); it is one flag, and both must declare it alike.
+
+A switch whose best setting depends on where the run computes is declared
+with `auto_option`: True, False or AUTO (`AutoBool`), decided by the run.
 """
 
 import dataclasses
@@ -23,6 +26,25 @@ from dist_loop.core.errors import UserError
 # The default of an option that has none: the dataclass field is required
 # (and so is the flag, where the entry point marks it).
 REQUIRED = dataclasses.MISSING
+# The value of an `auto_option` that the run decides.
+AUTO = "auto"
+
+
+class AutoBool:
+  """The type of an `auto_option`: True, False or AUTO.
+
+  Its flag is a boolean flag that also takes `auto`: `--name` is True,
+  `--noname` False, `--name=auto|true|false` any of the three. AUTO is for
+  a setting no one value suits on every machine; the run replaces it with
+  True or False before any component reads it (`--jit_compile`:
+  `dist_loop/parallel/modes/xla.py`).
+  """
+
+  NAMES = (AUTO, "true", "false")
+
+  @staticmethod
+  def valid(value) -> bool:
+    return isinstance(value, bool) or value == AUTO
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +52,8 @@ class Spec:
   """One option, as the flag layer needs it."""
 
   name: str
-  type: type  # bool, int, float or str (str also for an optional string).
+  # bool, int, float, str (also for an optional string) or AutoBool.
+  type: type
   default: Any  # None for a REQUIRED option.
   help: str
   lower: Optional[float] = None  # Inclusive bounds.
@@ -56,6 +79,15 @@ def option(default, help: str, *, lower=None, upper=None, above=None,
   return dataclasses.field(default=default, metadata=metadata)
 
 
+def auto_option(help: str, *, layout: bool = False,
+                group: Optional[str] = None):
+  """A field that is True, False or AUTO (its default), and its flag: see
+  `AutoBool`."""
+  return dataclasses.field(default=AUTO, metadata={
+      "help": help, "lower": None, "upper": None, "above": None,
+      "choices": None, "layout": layout, "group": group, "type": AutoBool})
+
+
 def specs(options_class) -> List[Spec]:
   """The `option` fields of a dataclass, in declaration order (other fields,
   such as Config's component options, are not flags)."""
@@ -65,7 +97,7 @@ def specs(options_class) -> List[Spec]:
     if "help" not in meta:
       continue
     default = None if field.default is REQUIRED else field.default
-    kind = str if default is None else type(default)
+    kind = meta.get("type") or (str if default is None else type(default))
     out.append(Spec(field.name, kind, default, meta["help"], meta["lower"],
                     meta["upper"], meta["choices"], meta["layout"],
                     meta.get("above"), meta.get("group")))
@@ -87,6 +119,9 @@ def check_value(spec: Spec, value) -> None:
   Raises:
     UserError: naming the flag, the bound and the value.
   """
+  if spec.type is AutoBool and not AutoBool.valid(value):
+    raise UserError(f"unknown --{spec.name}={value!r}; choose one of: "
+                    f"{', '.join(AutoBool.NAMES)}")
   if value is None:
     return
   if spec.type is float and math.isnan(value):

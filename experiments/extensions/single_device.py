@@ -7,11 +7,15 @@ is taken away is what every other mode adds to: the update is the whole
 batch's gradients applied with `optim.apply_reduced`, so it equals
 `--mode=sync --num_devices=1`.
 
-With the run-wide `--jit_compile`, its whole update (forward, backward and
-the optimizer's update) is one XLA computation: without a strategy there
-is no collective to keep outside it, as every other mode must
-(docs/modes.md#xla). Neither `dist_loop/core/config.py` nor
-`experiments/flags.py` knows this mode. See `single_device.flags`.
+With XLA on (the run-wide `--jit_compile`), its whole update (forward,
+backward and the optimizer's update) is one XLA computation: without a
+strategy there is no collective to keep outside it, as every other mode
+must (docs/modes.md#xla). It reads `config.jit_compile` as a bool: the
+default, `--jit_compile=auto`, is decided before a trainer is built, by
+the rule of every mode (`dist_loop/parallel/modes/xla.py`): off on CPU,
+on on GPUs, since this mode declares nothing XLA cannot compile (no
+`xla_refusal`, no `xla_state_refusal`). Neither `dist_loop/core/config.py`
+nor `experiments/flags.py` knows this mode. See `single_device.flags`.
 """
 
 import tensorflow as tf

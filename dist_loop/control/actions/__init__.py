@@ -100,7 +100,8 @@ def standard(config, inputs: Inputs) -> List[Action]:
     goodput = [Goodput(config.log_every, inputs.goodput, summaries,
                        compiles=config.jit_compile)]
     out += goodput
-  parts = [lambda: {"mode": config.mode, "num_devices": config.num_devices},
+  parts = [lambda: {"mode": config.mode, "num_devices": config.num_devices,
+                    "jit_compile": config.jit_compile},
            log.summary, evaluate.summary, *inputs.summary_parts,
            lambda: {k.replace("memory/", "memory_"): v
                     for k, v in peak_memory_mb(inputs.devices).items()},

@@ -56,6 +56,8 @@ class Trainer(abc.ABC):
     input_wait_s: the seconds the last `train(n)` call's steps waited for
       their input, or None where the mode does not measure it (goodput's
       `input` phase, `dist_loop/runtime/goodput.py`).
+    xla_choice: whether `config.jit_compile` is on and why, the run's line
+      (set by `build_trainer`, `modes/xla.py`).
   """
 
   Options = NoOptions
@@ -69,6 +71,10 @@ class Trainer(abc.ABC):
   # Honours --max_loss: passes it to its step's guard (`step.above_bound`,
   # through the loop base, the async `Applier` or the ps `LockedUpdate`).
   checks_max_loss = False
+  # Why --jit_compile cannot compile this mode's step over a model with
+  # non-trainable state (dropout's seed, a normalisation's moving
+  # statistics), `{variable}` naming the first such variable; None: it can.
+  xla_state_refusal: Optional[str] = None
 
   model: keras.Sequential
   optimizer: keras.optimizers.Optimizer
@@ -76,6 +82,7 @@ class Trainer(abc.ABC):
   loss_scale = None
   is_chief: bool = True
   input_wait_s: Optional[float] = None
+  xla_choice: str = ""
 
   # -- before TensorFlow starts: class methods on the config --
 
@@ -140,6 +147,28 @@ class Trainer(abc.ABC):
     return None
 
   @classmethod
+  def xla_refusal(cls, config: Config, cluster: Cluster) -> Optional[str]:
+    """Why --jit_compile cannot compile this run of the mode, from its
+    configuration alone (a valid one), or None.
+
+    `configure.validate` refuses an explicit --jit_compile with this
+    message; --jit_compile=auto leaves XLA off for it (`modes/xla.py`)."""
+    del config, cluster
+    return None
+
+  @classmethod
+  def xla_model_refusal(cls, model: keras.Model) -> Optional[str]:
+    """Why --jit_compile cannot compile this mode's step over `model`, or
+    None: `xla_state_refusal` if the model has non-trainable state. A
+    trainer refuses an explicit --jit_compile with it once its model is
+    built (`refuse_xla`); --jit_compile=auto asks it of a throwaway build
+    of the model first (`modes/xla.py`)."""
+    state = model.non_trainable_variables
+    if cls.xla_state_refusal is None or not state:
+      return None
+    return cls.xla_state_refusal.format(variable=state[0].path)
+
+  @classmethod
   def join_cluster(cls, config: Config, cluster: Cluster) -> None:
     """Runs first in a process, before TensorFlow starts its runtime.
 
@@ -160,6 +189,10 @@ class Trainer(abc.ABC):
 
   def __init__(self, config: Config, devices: List[str], dataset: Dataset,
                cluster: Cluster):
+    if not isinstance(config.jit_compile, bool):
+      raise TypeError(f"jit_compile={config.jit_compile!r}: build a trainer "
+                      "with modes.build_trainer, which decides "
+                      "--jit_compile=auto (modes/xla.py)")
     self.config = config
     self.options = config.mode_options
     self.devices = devices
@@ -176,6 +209,13 @@ class Trainer(abc.ABC):
     Raises:
       NonFiniteError: a step produced NaN/Inf; that step was not applied.
     """
+
+  def refuse_xla(self, model: keras.Model) -> None:
+    """Raises `xla_model_refusal(model)` as a UserError under
+    --jit_compile."""
+    why = self.config.jit_compile and self.xla_model_refusal(model)
+    if why:
+      raise UserError(why)
 
   def checkpoint_items(self) -> Dict[str, object]:
     """What the checkpoint holds. The same names in every mode, so a

@@ -38,7 +38,6 @@ import tensorflow as tf
 from absl import logging
 
 from dist_loop import models
-from dist_loop.core.errors import UserError
 from dist_loop.parallel.modes.base import MODES, Report, Reporting
 from dist_loop.parallel.modes.loop import LoopTrainer, StepResult
 from dist_loop.parallel.modes.pipeline import partition, planner
@@ -64,6 +63,10 @@ class PipelineTrainer(LoopTrainer, Reporting):
   # How layer costs are measured at start: "traced" (as the executor runs
   # them) or "eager" (faster to start, rougher; tests use it).
   cost_measurement = "traced"
+  xla_state_refusal = (
+      "--mode=pipeline --jit_compile: the model has non-trainable state "
+      "({variable}, ...), which a compiled chunk cannot read from another "
+      "device; drop --jit_compile, or use --mode=sync")
 
   @classmethod
   def num_replicas(cls, config, cluster) -> int:
@@ -73,6 +76,10 @@ class PipelineTrainer(LoopTrainer, Reporting):
   @classmethod
   def validate(cls, config, cluster) -> None:
     validation.check(config, cls.num_replicas(config, cluster))
+
+  @classmethod
+  def xla_refusal(cls, config, cluster):
+    return validation.xla_refusal(config, cls.num_replicas(config, cluster))
 
   def __init__(self, config, devices, dataset, cluster):
     super().__init__(config, devices, dataset, cluster)
@@ -88,12 +95,7 @@ class PipelineTrainer(LoopTrainer, Reporting):
     self.schedule_name = chosen.name
     self.ideal_bubble = simulator.ideal_bubble(self.schedule)
     self.model = self._placed_model(plan.initial_weights)
-    if config.jit_compile and self.model.non_trainable_variables:
-      raise UserError(
-          "--mode=pipeline --jit_compile: the model has non-trainable state "
-          f"({self.model.non_trainable_variables[0].path}, ...), which a "
-          "compiled chunk cannot read from another device; drop "
-          "--jit_compile, or use --mode=sync")
+    self.refuse_xla(self.model)
     # The weights are the model's now; the plan keeps the rest for reports.
     self.plan = dataclasses.replace(plan, initial_weights=None)
     self.executor = PipelineExecutor(

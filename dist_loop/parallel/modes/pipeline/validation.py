@@ -33,12 +33,6 @@ def check(config: Config, num_replicas: int) -> None:
     raise UserError(
         f"--num_devices={config.num_devices} is not a multiple of "
         f"--num_stages={k}; use --num_devices={lower} or {lower + k}")
-  if config.jit_compile and num_replicas > 1:
-    raise UserError(
-        f"--jit_compile cannot compile {num_replicas} data-parallel "
-        f"pipelines (--num_devices={config.num_devices} over --num_stages="
-        f"{k}): their chunks read replica 0's variables on other devices, "
-        f"which XLA cannot; use --num_devices={k}, or drop --jit_compile")
   check_divisible(config.global_batch_size, num_replicas)
   per_replica = config.global_batch_size // num_replicas
   if per_replica % m:
@@ -49,14 +43,40 @@ def check(config: Config, num_replicas: int) -> None:
         f"{per_replica} (--global_batch_size={config.global_batch_size} "
         f"over {num_replicas} replica(s)); use --num_microbatches="
         f"{' or '.join(map(str, sorted(near)))}")
-  chunks, why = _check_schedule(options, config.jit_compile)
+  chunks, why = _check_schedule(options)
   _check_split(config, k, chunks, why)
 
 
-def _check_schedule(options, jit_compile: bool):
+def xla_refusal(config: Config, num_replicas: int) -> Optional[str]:
+  """Why --jit_compile cannot compile this pipeline (a valid one), or None.
+
+  An XLA computation runs on one device and reads only variables on it:
+  the chunks of data-parallel pipelines read replica 0's variables on
+  other devices. A schedule that splits the backward into I and W needs
+  the forward's own ops, which XLA fuses (`chunk.py`).
+  """
+  options = config.mode_options
+  k = options.num_stages
+  if num_replicas > 1:
+    return (f"--jit_compile cannot compile {num_replicas} data-parallel "
+            f"pipelines (--num_devices={config.num_devices} over "
+            f"--num_stages={k}): their chunks read replica 0's variables on "
+            f"other devices, which XLA cannot; use --num_devices={k}, or "
+            "drop --jit_compile")
+  if options.pipeline_schedule != schedule_lib.AUTO and (
+      schedule_lib.splits_backward(schedule_lib.make(
+          options.pipeline_schedule, k, options.num_microbatches,
+          options.virtual_stages))):
+    return (f"--jit_compile cannot compile --pipeline_schedule="
+            f"{options.pipeline_schedule}: it splits the backward at ops that "
+            "XLA fuses; use --pipeline_schedule=1f1b, gpipe or "
+            "interleaved_1f1b, or drop --jit_compile")
+  return None
+
+
+def _check_schedule(options):
   """The named schedule's chunk count (K for auto), and where it comes
-  from; raises UserError if it cannot run (K, M, V), or cannot be
-  compiled (`chunk.py`: a split backward needs F's ops)."""
+  from; raises UserError if it cannot run (K, M, V)."""
   k = options.num_stages
   if options.pipeline_schedule == schedule_lib.AUTO:
     return k, ""
@@ -67,12 +87,6 @@ def _check_schedule(options, jit_compile: bool):
   schedule = schedule_lib.make(options.pipeline_schedule, k,
                                options.num_microbatches,
                                options.virtual_stages)
-  if jit_compile and schedule_lib.splits_backward(schedule):
-    raise UserError(
-        f"--jit_compile cannot compile --pipeline_schedule="
-        f"{options.pipeline_schedule}: it splits the backward at ops that "
-        "XLA fuses; use --pipeline_schedule=1f1b, gpipe or interleaved_1f1b, "
-        "or drop --jit_compile")
   if schedule.num_chunks == k:
     return k, ""
   return schedule.num_chunks, (

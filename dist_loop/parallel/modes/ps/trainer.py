@@ -69,6 +69,10 @@ class PSTrainer(Trainer, Reporting):
   multi_process = True
   precisions = precision_lib.PRECISIONS  # float16: see update.py.
   checks_max_loss = True
+  xla_state_refusal = (
+      "--mode=ps --jit_compile runs the model on weights read from the PSs, "
+      "and the model has non-trainable state ({variable}, ...) that would "
+      "not follow; drop --jit_compile, or use --mode=async or sync")
 
   # -- before TensorFlow starts --
 
@@ -137,12 +141,7 @@ class PSTrainer(Trainer, Reporting):
                                    + self.recipe.mean_keys)
     with self.strategy.scope():
       self.model = models.build_for(config, dataset)
-      if config.jit_compile and self.model.non_trainable_variables:
-        raise UserError(
-            "--mode=ps --jit_compile runs the model on weights read from "
-            "the PSs, and the model has non-trainable state ("
-            f"{self.model.non_trainable_variables[0].path}, ...) that would "
-            "not follow; drop --jit_compile, or use --mode=async or sync")
+      self.refuse_xla(self.model)
       self.loss_scale = precision_lib.make_loss_scale(config.precision)
       self.optimizer = optim.make(config.optimizer, config.learning_rate,
                                   self.model.trainable_variables,
