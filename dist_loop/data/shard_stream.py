@@ -49,7 +49,7 @@ ORDERS = ("index_shuffle", "memory")
 SPEC_ERROR = "does not match the manifest spec"
 _no_autograph = stream.no_autograph
 _FOREVER = np.iinfo(np.int64).max
-_BLOCK_RECORDS = 256  # Records an ArrayRecord read takes at least.
+_BLOCK_RECORDS = 256  # Records a read, and a parse, take at least.
 _PAD = 498247692  # tf.random.experimental.index_shuffle's seed word.
 
 
@@ -157,8 +157,9 @@ class Split:
 
   def records(self, files_of, seed: int, start: int, pipeline: int,
               pipelines: int) -> tf.data.Dataset:
-    """This pipeline's (serialized, file, index) stream of TFRecords from
-    its position `start`, epoch after epoch."""
+    """This pipeline's stream of TFRecords from its position `start`,
+    epoch after epoch: `files_of(path, skip)` of each file it reads
+    (`read_file`'s (serialized, file, index) records, or `read_blocks`)."""
     self.check_pipelines(pipelines)  # A backstop: `run` checks at start.
     # Sliced in the graph: under --mode=ps, `pipeline` is a tensor, drawn
     # on the worker from a counter on a parameter server.
@@ -192,6 +193,19 @@ def read_file(path, skip):
   return tf.data.Dataset.zip((tf.data.TFRecordDataset(path).skip(skip),
                               tf.data.Dataset.from_tensors(path).repeat(),
                               tf.data.Dataset.range(skip, _FOREVER)))
+
+
+def read_blocks(path, skip):
+  """`read_file`'s records in blocks of up to `_BLOCK_RECORDS` (a file's
+  last block is shorter), for `Dataset.rebatch` to cut into batches: the
+  streams above a file, and the file and index of each record, then cost
+  tf.data's per-element work once a block rather than once a record."""
+  return tf.data.Dataset.zip((
+      tf.data.TFRecordDataset(path).skip(skip).batch(_BLOCK_RECORDS),
+      tf.data.Dataset.range(skip, _FOREVER, _BLOCK_RECORDS))).map(
+          _no_autograph(lambda serialized, first: (
+              serialized, tf.fill(tf.shape(serialized), path),
+              first + tf.range(tf.size(serialized, out_type=tf.int64)))))
 
 
 class _ArrayRecords:
@@ -277,14 +291,24 @@ def train_dataset_fn(split: Split, global_batch_size: int, seed: int,
                    deterministic=True)
       records = ds.unbatch()
     else:
-      block = 1
+      # Parsed `block` batches at a time too (consecutive records make
+      # consecutive batches, so the batches are the same); one batch at a
+      # time through a tf.data service, which shards by batch.
+      block = 1 if split.service else max(1, _BLOCK_RECORDS // per_replica)
       local = ctx.num_replicas_in_sync // ctx.num_input_pipelines
       start = start_step * per_replica * local
-      records = split.records(read_file, seed, start, ctx.input_pipeline_id,
-                              ctx.num_input_pipelines)
-      ds = records.batch(per_replica, drop_remainder=True)
-      if split.service:
-        ds = service.shard_point(ds)
+
+      def stream_of(files_of):
+        return split.records(files_of, seed, start, ctx.input_pipeline_id,
+                             ctx.num_input_pipelines)
+
+      if split.skipper is not None:  # It batches the records itself.
+        records = stream_of(read_file)
+      else:
+        ds = stream_of(read_blocks).rebatch(per_replica * block,
+                                            drop_remainder=True)
+        if split.service:
+          ds = service.shard_point(ds)
     if split.skipper is not None:
       ds = split.skipper.train_batches(records, split.parse, per_replica,
                                        _places(ctx, global_batch_size,
@@ -338,10 +362,12 @@ def eval_dataset(split: Split, batch_size: int) -> tf.data.Dataset:
           .map(_no_autograph(split.read)))
     records = ds.unbatch()
   else:
-    records = (tf.data.Dataset.from_tensor_slices(
+    files = tf.data.Dataset.from_tensor_slices(
         (split.paths, tf.zeros([len(split.paths)], tf.int64)))
-               .flat_map(_no_autograph(read_file)))
-    ds = records.batch(batch_size)
+    if split.skipper is not None:
+      records = files.flat_map(_no_autograph(read_file))
+    else:
+      ds = files.flat_map(_no_autograph(read_blocks)).rebatch(batch_size)
   if split.skipper is not None:
     ds = split.skipper.batches(records, split.parse, batch_size)
   else:

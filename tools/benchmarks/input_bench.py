@@ -43,6 +43,10 @@ from tools.benchmarks import common
 SIZES = {  # quick -> (batches read a round, train steps a round, rounds,
     #                    jpeg images)
     False: (80, 40, 5, 2048), True: (4, 2, 2, 32)}
+# Train steps a round, by model, and train rounds: each round about two
+# seconds a variant, so that a round's ratio is not one scheduler hiccup.
+TRAIN = {False: ({"cnn": 160, "transformer": 20}, 7),
+         True: ({"cnn": 2, "transformer": 2}, 2)}
 RSS_BYTES = {False: (2**29, 2**32), True: (5 * 2**20, 40 * 2**20)}
 RECORD_FLOATS = 1024  # 4 KB per example in the RSS shards.
 BATCH = 64
@@ -106,7 +110,7 @@ def _text_shards(root: str, quick: bool, fmt: str) -> str:
 
 
 def _train_rows(root: str, quick: bool):
-  steps, rounds = SIZES[quick][1], SIZES[quick][2]
+  steps_of, rounds = TRAIN[quick]
   names = devices.configure(4, "cpu")[:1]  # As the other suites.
   cases = {}  # Each model from each format's shards (`_read_rows` wrote
   for fmt in shard_format.FORMATS:  # the digits').
@@ -118,6 +122,7 @@ def _train_rows(root: str, quick: bool):
              seq_len=32 if quick else 128), _text_shards(root, quick, fmt))
   rows = []
   for name, (flat, shard_dir) in cases.items():
+    steps = steps_of[flat["model"]]
     base = dict(global_batch_size=BATCH, optimizer="adam",
                 steps_per_loop=steps, num_devices=1)
     shard_flat = {k: v for k, v in flat.items()
