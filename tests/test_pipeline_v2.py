@@ -618,3 +618,26 @@ def test_bad_schedule_options_fail_at_the_door(tmp_path, overrides, message):
           **overrides}
   with pytest.raises(UserError, match=message):
     config(tmp_path, **flat)
+
+
+def test_counting_a_models_layers_does_not_start_tensorflow():
+  """The pipeline's rules count the model's layers as the flags are
+  checked, before the run configures its devices: a layer that makes a
+  variable as it is constructed (Dropout's seed state) must not start
+  TensorFlow's runtime then, or configuring the devices fails."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  code = (
+      "from dist_loop import make_config\n"
+      "from dist_loop.parallel.modes.pipeline import validation\n"
+      "config = make_config(mode='pipeline', model='transformer',\n"
+      "                     dataset='pysource', dropout=0.1,\n"
+      "                     workdir='unused')\n"
+      "assert validation.count_layers(config) == 4 + 3\n"
+      "from dist_loop.runtime import devices\n"
+      "print(len(devices.configure(2, 'cpu')))\n")
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  result = subprocess.run([sys.executable, "-c", code], cwd=repo,
+                          capture_output=True, text=True, timeout=120)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert result.stdout.strip().splitlines()[-1] == "2"

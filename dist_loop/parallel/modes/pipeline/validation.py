@@ -7,6 +7,8 @@ other, to the device count, the batch and the model.
 
 from typing import Optional
 
+import tensorflow as tf
+
 from dist_loop import models
 from dist_loop.core.config import Config, check_divisible
 from dist_loop.core.errors import UserError
@@ -121,7 +123,10 @@ def count_layers(config: Config) -> Optional[int]:
   """The number of layers of the run's model, without building it.
 
   A builder's layer list does not depend on the input shape here; one that
-  does and fails on a placeholder shape is checked at the real build.
+  does and fails on a placeholder shape is checked at the real build. The
+  layers are made in a graph of their own: one that makes a variable as it
+  is constructed (Dropout's seed state) would otherwise start TensorFlow's
+  runtime before the run has configured its devices.
   """
   builder = models.MODELS.get(config.model)
   size = getattr(builder, "image_size", None)
@@ -131,6 +136,7 @@ def count_layers(config: Config) -> Optional[int]:
     kwargs["options"] = (config.model_options if config.model_options
                          is not None else builder.Options())
   try:
-    return len(builder(shape, 10, **kwargs))
+    with tf.Graph().as_default():
+      return len(builder(shape, 10, **kwargs))
   except Exception:  # pylint: disable=broad-except
     return None
