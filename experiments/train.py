@@ -151,6 +151,22 @@ def main(argv) -> int:
   return 0
 
 
+def parse_flags(argv: List[str]) -> List[str]:
+  """absl's parse (a bad value: its usage line and exit code 1), and one
+  line for what absl raises as a ValueError instead (a value given to a
+  boolean's --noNAME form)."""
+  try:
+    return app.parse_flags_with_usage(argv)
+  except ValueError as error:
+    print(bad_form_line(error), file=sys.stderr)
+    sys.exit(2)
+
+
+def bad_form_line(error: ValueError) -> str:
+  return (f"error: {error}: give a boolean flag as --NAME, --noNAME or "
+          "--NAME=VALUE")
+
+
 def _main_interruptible(argv) -> int:
   """`main`, with Ctrl-C raised as KeyboardInterrupt inside it (the run's
   cleanup runs), and an immediate exit again once it returned."""
@@ -167,4 +183,4 @@ if __name__ == "__main__":
   for name in ("user_modules",) + run_flags.RUN_FLAGS:  # --helpshort's.
     flags.declare_key_flag(name)
   flags.mark_flags_as_required(["workdir"])
-  app.run(_main_interruptible, argv=_ARGV)
+  app.run(_main_interruptible, argv=_ARGV, flags_parser=parse_flags)

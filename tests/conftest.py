@@ -197,6 +197,9 @@ def run_main(*args):
     except flags.Error as e:
       print(f"FATAL Flags parsing error: {e}", file=sys.stderr)
       code = 1
+    except ValueError as e:  # As `entry.parse_flags` says it.
+      print(entry.bad_form_line(e), file=sys.stderr)
+      code = 2
     else:
       code = entry.main(argv)
   return code, out.getvalue(), err.getvalue()

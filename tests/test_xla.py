@@ -300,6 +300,13 @@ def test_a_bad_value_is_one_line_naming_the_choices(tmp_path, small_config):
   assert err == ("FATAL Flags parsing error: flag --jit_compile=maybe: "
                  "value should be one of <auto|true|false>\n")
   assert not (tmp_path / "run").exists()
+  # absl raises a ValueError for a value given to the --noNAME form.
+  code, out, err = run_main(f"--workdir={tmp_path / 'run'}",
+                            "--nojit_compile=auto")
+  assert (code, out) == (2, "")
+  assert err == ("error: --nojit_compile=auto does not take an argument: "
+                 "give a boolean flag as --NAME, --noNAME or --NAME=VALUE\n")
+  assert not (tmp_path / "run").exists()
   with pytest.raises(UserError, match=(
       "^unknown --jit_compile='yes'; choose one of: auto, true, false$")):
     configure.validate(small_config(jit_compile="yes"), Cluster())
