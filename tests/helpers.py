@@ -142,3 +142,25 @@ def handed_bytes(trainer):
       counting("all_gather", lambda value, axis, options=None: value):
     graph = step_graph(trainer)
   return calls, graph
+
+
+def record_host_timing(monkeypatch):
+  """Records the pipeline planner's host-timed measurements: (the
+  `timing.HostTimer`s whose durations were read, the `repeats` of each
+  `costs.measure_layers` call: 0 when it gives sizes only)."""
+  from dist_loop.parallel.modes.pipeline import costs, timing  # pylint: disable=g-import-not-at-top
+  timers, eager = [], []
+  measure_layers = costs.measure_layers
+
+  class Recorded(timing.HostTimer):
+    def durations(self):
+      timers.append(self)
+      return super().durations()
+
+  def sizes_only(*args, repeats=3, **kwargs):
+    eager.append(repeats)
+    return measure_layers(*args, repeats=repeats, **kwargs)
+
+  monkeypatch.setattr(timing, "HostTimer", Recorded)
+  monkeypatch.setattr(costs, "measure_layers", sizes_only)
+  return timers, eager

@@ -21,7 +21,7 @@ import tensorflow as tf
 from tensorflow.python.framework import config as tf_config  # pylint: disable=g-direct-tensorflow-import
 
 from conftest import max_diff
-from helpers import load_data
+from helpers import load_data, record_host_timing
 from dist_loop import configure, make_config, models, tasks
 from dist_loop.core.errors import UserError
 from dist_loop.models import MODELS
@@ -59,11 +59,12 @@ pytestmark = pytest.mark.usefixtures("eager_costs")
 
 
 def config(tmp_path, **overrides):
+  # --jit_compile as decided on CPU: the planner takes a decided value.
   flat = dict(workdir=str(tmp_path), dataset="synthetic", model=MODEL,
               num_devices=1, global_batch_size=48, train_steps=STEPS,
               optimizer="adam", learning_rate=0.01, steps_per_loop=STEPS,
               log_every=STEPS, eval_every=STEPS, checkpoint_every=STEPS,
-              seed=0)
+              seed=0, jit_compile=False)
   flat.update(overrides)
   return configure.validate(make_config(**flat), LOCAL)
 
@@ -473,20 +474,7 @@ def test_the_deterministic_planner_times_the_runs_chunks_from_the_host(
   # and crowded, are timed as the executor runs them, from the host; no
   # layer is timed eagerly (measure_layers gives the sizes only).
   del op_determinism
-  timers, eager = [], []
-  measure_layers = costs.measure_layers
-
-  class Recorded(timing.HostTimer):
-    def durations(self):
-      timers.append(self)
-      return super().durations()
-
-  def sizes_only(*args, repeats=3, **kwargs):
-    eager.append(repeats)
-    return measure_layers(*args, repeats=repeats, **kwargs)
-
-  monkeypatch.setattr(timing, "HostTimer", Recorded)
-  monkeypatch.setattr(costs, "measure_layers", sizes_only)
+  timers, eager = record_host_timing(monkeypatch)
   cfg = config(tmp_path, deterministic=True, intra_op_threads=1,
                inter_op_threads=2, **pipeline("1f1b", 2, 4))
   keras.utils.set_random_seed(cfg.seed)

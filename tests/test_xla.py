@@ -26,12 +26,12 @@ from dist_loop.control import weights
 from dist_loop.core.errors import UserError
 from dist_loop.models import MODELS
 from dist_loop.parallel.modes import xla
-from dist_loop.parallel.modes.pipeline import PipelineTrainer, costs, planner, timing
+from dist_loop.parallel.modes.pipeline import PipelineTrainer, planner, timing
 from dist_loop.parallel.modes.ps import PSTrainer
 from dist_loop.runtime import devices
 from dist_loop.runtime.cluster import Cluster
 from experiments import flags as run_flags
-from helpers import load_data, make_trainer, variables
+from helpers import load_data, make_trainer, record_host_timing, variables
 
 STEPS = 4
 TOLERANCE = 1e-4
@@ -140,20 +140,7 @@ def test_the_deterministic_planner_times_the_compiled_chunks_from_the_host(
   # Op determinism refuses the timestamps: the planner times the same
   # compiled chunks from the host, each action a call of the chunk's
   # actions up to it, and times no layer eagerly.
-  timers, eager = [], []
-  measure_layers = costs.measure_layers
-
-  class Recorded(timing.HostTimer):
-    def durations(self):
-      timers.append(self)
-      return super().durations()
-
-  def sizes_only(*args, repeats=3, **kwargs):
-    eager.append(repeats)
-    return measure_layers(*args, repeats=repeats, **kwargs)
-
-  monkeypatch.setattr(timing, "HostTimer", Recorded)
-  monkeypatch.setattr(costs, "measure_layers", sizes_only)
+  timers, eager = record_host_timing(monkeypatch)
   config = configure.validate(small_config(
       mode="pipeline", num_devices=2, num_stages=2, num_microbatches=2,
       pipeline_schedule="1f1b", jit_compile=True, deterministic=True,

@@ -189,10 +189,7 @@ class Trainer(abc.ABC):
 
   def __init__(self, config: Config, devices: List[str], dataset: Dataset,
                cluster: Cluster):
-    if not isinstance(config.jit_compile, bool):
-      raise TypeError(f"jit_compile={config.jit_compile!r}: build a trainer "
-                      "with modes.build_trainer, which decides "
-                      "--jit_compile=auto (modes/xla.py)")
+    require_decided_xla(config)
     self.config = config
     self.options = config.mode_options
     self.devices = devices
@@ -309,3 +306,16 @@ class Report:
   scalars: Dict[str, float] = dataclasses.field(default_factory=dict)
   histograms: Dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
   images: Dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+
+
+def require_decided_xla(config: Config) -> None:
+  """Refuses a config whose --jit_compile is still "auto" (a truthy string
+  that code testing `config.jit_compile` would take for True).
+
+  Raises:
+    TypeError: build the trainer with `modes.build_trainer`, which decides.
+  """
+  if not isinstance(config.jit_compile, bool):
+    raise TypeError(f"jit_compile={config.jit_compile!r}: build a trainer "
+                    "with modes.build_trainer, which decides "
+                    "--jit_compile=auto (modes/xla.py)")

@@ -39,6 +39,7 @@ from absl import logging
 
 from dist_loop import models, tasks
 from dist_loop.core.errors import UserError
+from dist_loop.parallel.modes.base import require_decided_xla
 from dist_loop.parallel.modes.pipeline import costs as costs_lib
 from dist_loop.parallel.modes.pipeline import partition
 from dist_loop.parallel.modes.pipeline import schedule as schedule_lib
@@ -88,6 +89,7 @@ def plan(config, dataset, devices: Sequence[str],
   Raises:
     UserError: no candidate can run, or none fits `--pipeline_memory_mb`.
   """
+  require_decided_xla(config)
   options = config.mode_options
   k, m = options.num_stages, options.num_microbatches
   replicas = len(devices) // k
