@@ -121,7 +121,8 @@ def trainer(collectives):
     if key not in made:
       config = make_config(workdir="/tmp/unused", dataset="synthetic",
                            num_devices=R, global_batch_size=R, seed=0,
-                           nonfinite=nonfinite, max_loss=max_loss)
+                           nonfinite=nonfinite, max_loss=max_loss,
+                           jit_compile=False)  # As decided on CPU.
       made[key] = _Scripted(config, **kwargs)
     return made[key]
 
