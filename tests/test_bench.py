@@ -320,3 +320,32 @@ def test_pipeline_targets_are_judged_from_the_rows():
       "not measured"]
   assert lines[-1] == ("- predicted step within 15% of measured, worst: "
                        "1f1b deep_mlp K=2 M=8: -7.7%: met")
+
+
+def test_pipeline_two_core_ceiling_is_per_round():
+  from tools.benchmarks import pipeline_bench  # pylint: disable=g-import-not-at-top
+  one_worker = {"schedule": "sync, one worker", "model": "deep_mlp",
+                "stages": 1, "microbatches": 1, "step_s_rounds": [0.1, 0.2]}
+  m8 = {"schedule": "1f1b", "model": "deep_mlp", "stages": 2,
+        "microbatches": 8, "ideal_speedup": 16 / 9,
+        "step_s_rounds": [0.06, 0.1]}
+  m4 = dict(m8, microbatches=4)  # No target at M=4: not reported.
+  # Round 1: the twins at once take 0.11 s a step against 0.1 alone, so
+  # two cores give 2 * 0.1 / 0.11 = 1.818x one; round 2: 2.0x. M=8 runs
+  # 1.667x and 2.0x one worker, 0.9375 and 1.125 of its ideal 1.778, so
+  # 1.031 and 1.125 of the best K=2 can reach on those cores.
+  ceiling = pipeline_bench.two_cores([one_worker, m8, m4],
+                                     [[0.11, 0.11], [0.19, 0.21]])
+  assert ceiling.keys() == {"throughput", "M=8"}
+  assert ceiling["throughput"] == pytest.approx([20 / 11, 2.0])
+  assert ceiling["M=8"] == pytest.approx([0.9375 * 1.1, 1.125])
+  assert pipeline_bench.ceiling_lines(ceiling) == [
+      "- two cores against one (two one-worker processes at once, each "
+      "pinned to a core): 1.909 (rounds 1.818-2.000)x the throughput; K=2's "
+      "best share of the ideal is half that",
+      "- 1f1b deep_mlp K=2 M=8: share of that best: 1.078 (rounds "
+      "1.031-1.125)"]
+  # On one core, or without the one worker's row: not measured, said so.
+  assert pipeline_bench.two_cores([m8], [[0.1, 0.1]]) == {}
+  assert pipeline_bench.ceiling_lines({}) == [
+      "- two cores against one: not measured (fewer than 2 cores)"]

@@ -20,6 +20,16 @@ step (`--pipeline_timing=log`) gives the bubble and action durations.
 Memory: the peak of the BFC CPU allocator (shared by the logical devices).
 The prediction is the trainer's own, from the costs it measured at start.
 
+The machine's own ceiling: two more one-worker processes (`deep_mlp`
+only), each pinned to a core of its own, run their round at the same
+time, after the others' turns. Two cores give `2 * alone / together`
+times one core's throughput (`alone`: the one worker's step of the same
+round), so K=2 stages on these cores can reach at most that over 2 of
+their ideal speed-up; it is printed below the table, per round, median
+and min-max, with 1F1B's shares at K=2 against it. (Where the cores share
+caches, memory bandwidth or a clock that drops under load, it is under
+2.)
+
 Below the table, the issue's targets, each met or not (or not measured,
 as at `--quick`'s sizes). The share of the ideal speed-up is taken per
 round, against the one worker's step of the same round (the machine's
@@ -85,13 +95,21 @@ def run(quick: bool = False, rounds: int = None, timeline_path: str = None,
   for spec in _workers(quick):  # One at a time: each measures its costs.
     workers.append(pipeline_worker.Worker({**spec, "steps": steps}))
     assert workers[-1].ask(None) == "ready"
+  twins = _pinned_twins(workers[0].spec, steps)
   measured = [[[] for _ in w.spec["variants"]] for w in workers]
+  together = []  # Per round: the twins' deep_mlp steps, run at once.
   for _ in range(rounds):
     for w, store in zip(workers, measured):
       for i, row in enumerate(w.ask("round")):
         store[i].append(row)
+    if twins:
+      for w in twins:
+        w.send("round")
+      together.append([w.ask(None)[0]["s"] for w in twins])
   finals = [w.ask("done") for w in workers]
-  for w in workers:
+  for w in twins:
+    w.ask("done")
+  for w in workers + twins:
     w.close()
   rows = []
   for w, store, final in zip(workers, measured, finals):
@@ -110,9 +128,67 @@ def run(quick: bool = False, rounds: int = None, timeline_path: str = None,
   for r in rows:
     r.pop("bars", None)
   judged = targets(rows)
+  ceiling = two_cores(rows, together)
   return {"rows": rows, "table": table(rows) + "\n\n" + "\n".join(
-      target_lines(judged)), "targets": judged,
-          "global_batch": GLOBAL_BATCH, "rounds": rounds, "steps": steps}
+      ceiling_lines(ceiling) + target_lines(judged)), "targets": judged,
+          "two_cores": ceiling, "global_batch": GLOBAL_BATCH,
+          "rounds": rounds, "steps": steps}
+
+
+def _pinned_twins(spec: Dict, steps: int) -> List:
+  """Two one-worker processes of `deep_mlp` alone, each pinned (every
+  thread) to a core of its own; none where there are fewer than 2 cores."""
+  cores = sorted(os.sched_getaffinity(0)) if hasattr(
+      os, "sched_getaffinity") else []
+  if len(cores) < 2:
+    return []
+  twin = dict(spec, variants=spec["variants"][:1], steps=steps)
+  twins = []
+  for core in cores[:2]:
+    twins.append(pipeline_worker.Worker(twin))
+    assert twins[-1].ask(None) == "ready"
+    # Its thread pools exist once it is ready; a thread made later
+    # inherits the mask of the thread that makes it.
+    for tid in os.listdir(f"/proc/{twins[-1].proc.pid}/task"):
+      os.sched_setaffinity(int(tid), {core})
+  return twins
+
+
+def two_cores(rows: List[Dict], together: List[List[float]]) -> Dict:
+  """Two cores' throughput over one core's, per round, from the twins'
+  steps run at once (`together`) and the one worker's step alone in the
+  same round; and 1F1B's K=2 shares of the ideal against its half."""
+  alone = next((r for r in rows if r["schedule"] == "sync, one worker"
+                and r["model"] == "deep_mlp"), None)
+  if not together or alone is None:
+    return {}
+  ratios = [2 * a / statistics.mean(t)
+            for a, t in zip(alone["step_s_rounds"], together)]
+  out = {"throughput": ratios}
+  for r in rows:
+    if (r["schedule"], r["model"], r["stages"]) == ("1f1b", "deep_mlp", 2) \
+        and r["microbatches"] in SHARE_TARGETS:
+      out[f"M={r['microbatches']}"] = [
+          share / (ratio / 2) for share, ratio in
+          zip(round_shares(r, alone), ratios)]
+  return out
+
+
+def ceiling_lines(ceiling: Dict) -> List[str]:
+  """`two_cores` as lines, each a median and the rounds' min-max."""
+  if not ceiling:
+    return ["- two cores against one: not measured (fewer than 2 cores)"]
+
+  def median_spread(values):
+    return (f"{statistics.median(values):.3f} (rounds {min(values):.3f}-"
+            f"{max(values):.3f})")
+  lines = ["- two cores against one (two one-worker processes at once, "
+           f"each pinned to a core): {median_spread(ceiling['throughput'])}"
+           "x the throughput; K=2's best share of the ideal is half that"]
+  lines += [f"- 1f1b deep_mlp K=2 {m}: share of that best: "
+            f"{median_spread(shares)}"
+            for m, shares in ceiling.items() if m != "throughput"]
+  return lines
 
 
 def _row(spec, variant, runs, info) -> Dict:

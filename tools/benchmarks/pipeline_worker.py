@@ -123,10 +123,13 @@ class Worker:
         text=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
                         "TF_CPU_ALLOCATOR_USE_BFC": "true"})
 
+  def send(self, command) -> None:
+    self.proc.stdin.write(command + "\n")
+    self.proc.stdin.flush()
+
   def ask(self, command):  # The worker's next line, after `command`.
     if command:
-      self.proc.stdin.write(command + "\n")
-      self.proc.stdin.flush()
+      self.send(command)
     line = self.proc.stdout.readline()
     if not line:
       raise RuntimeError(f"pipeline benchmark worker {self.spec['devices']} "
