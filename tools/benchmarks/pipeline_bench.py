@@ -58,9 +58,15 @@ COLUMNS = ("model", "schedule", "stages", "microbatches", "virtual_stages",
            "bubble_measured", "bubble_predicted", "peak_mb")
 
 
+def _core_ids() -> List[int]:
+  """The cores this process may run on (every core where the OS cannot
+  say)."""
+  return sorted(os.sched_getaffinity(0)) if hasattr(
+      os, "sched_getaffinity") else list(range(os.cpu_count()))
+
+
 def _cores() -> int:
-  return len(os.sched_getaffinity(0)) if hasattr(
-      os, "sched_getaffinity") else os.cpu_count()
+  return len(_core_ids())
 
 
 def _workers(quick: bool) -> List[Dict]:
@@ -138,9 +144,8 @@ def run(quick: bool = False, rounds: int = None, timeline_path: str = None,
 def _pinned_twins(spec: Dict, steps: int) -> List:
   """Two one-worker processes of `deep_mlp` alone, each pinned (every
   thread) to a core of its own; none where there are fewer than 2 cores."""
-  cores = sorted(os.sched_getaffinity(0)) if hasattr(
-      os, "sched_getaffinity") else []
-  if len(cores) < 2:
+  cores = _core_ids()
+  if len(cores) < 2 or not hasattr(os, "sched_setaffinity"):
     return []
   twin = dict(spec, variants=spec["variants"][:1], steps=steps)
   twins = []
