@@ -349,3 +349,38 @@ def test_pipeline_two_core_ceiling_is_per_round():
   assert pipeline_bench.two_cores([m8], [[0.1, 0.1]]) == {}
   assert pipeline_bench.ceiling_lines({}) == [
       "- two cores against one: not measured (fewer than 2 cores)"]
+
+
+def test_pipeline_microbatch_cost_is_per_round():
+  from tools.benchmarks import pipeline_bench  # pylint: disable=g-import-not-at-top
+  one_worker = {"schedule": "sync, one worker", "model": "deep_mlp",
+                "stages": 1, "microbatches": 1, "step_s_rounds": [0.1, 0.2]}
+  accumulated = {"schedule": pipeline_bench.ACCUMULATED, "model": "deep_mlp",
+                 "stages": 1, "microbatches": 16,
+                 "step_s_rounds": [0.15, 0.24]}
+  m16 = {"schedule": "1f1b", "model": "deep_mlp", "stages": 2,
+         "microbatches": 16, "ideal_speedup": 32 / 17,
+         "step_s_rounds": [0.08, 0.128]}
+  # No 1F1B row at M=8: its cost alone.
+  m8_alone = dict(accumulated, microbatches=8, step_s_rounds=[0.11, 0.22])
+  # Round 1: 16 micro-batches take 1.5x the whole batch's step, and 1F1B
+  # runs 0.1/0.08 = 1.25x one worker, 0.664 of the ideal 1.882; against
+  # the one worker's 16 micro-batches (0.15/0.08 = 1.875x) it is 0.996.
+  # Round 2: 1.2x; 1F1B 1.5625x one worker, 0.830 of the ideal; 0.996.
+  cost = pipeline_bench.microbatch_cost([one_worker, accumulated, m16,
+                                         m8_alone])
+  assert cost.keys() == {8, 16}
+  assert cost[16]["cost"] == pytest.approx([1.5, 1.2])
+  assert cost[16]["shares"] == pytest.approx(
+      [0.15 / 0.08 / (32 / 17), 0.24 / 0.128 / (32 / 17)])
+  assert cost[8] == {"cost": pytest.approx([1.1, 1.1])}
+  assert pipeline_bench.microbatch_lines(cost) == [
+      "- one worker with the batch as M=8 micro-batches: 1.100 (rounds "
+      "1.100-1.100)x its step whole",
+      "- one worker with the batch as M=16 micro-batches: 1.350 (rounds "
+      "1.200-1.500)x its step whole",
+      "- 1f1b deep_mlp K=2 M=16 against that one worker: share of the ideal "
+      "speed-up: 0.996 (rounds 0.996-0.996)"]
+  # Without the one worker's row: nothing measured, no line.
+  assert pipeline_bench.microbatch_cost([accumulated, m16]) == {}
+  assert pipeline_bench.microbatch_lines({}) == []

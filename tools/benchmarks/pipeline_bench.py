@@ -30,6 +30,14 @@ and min-max, with 1F1B's shares at K=2 against it. (Where the cores share
 caches, memory bandwidth or a clock that drops under load, it is under
 2.)
 
+The ideal's premise: a micro-batch costs 1/M of the batch. The one-worker
+process also times the batch as M micro-batches summed one after the
+other (`--grad_accum_steps=M`, at each M of the targets); that step over
+the one worker's whole one, per round, is what a micro-batch costs beyond
+its share on this machine's kernels, and 1F1B's share of the ideal against
+that one worker (the same micro-batches, not pipelined) is printed beside
+the targets.
+
 Below the table, the issue's targets, each met or not (or not measured,
 as at `--quick`'s sizes). The share of the ideal speed-up is taken per
 round, against the one worker's step of the same round (the machine's
@@ -52,6 +60,9 @@ WIDE = {"model": pipeline_worker.WIDE_MLP, "batch": 512, "m": 8}
 ROUNDS, STEPS = 5, 6
 # 1F1B at K=2 on deep_mlp: M -> the least share of the ideal speed-up.
 SHARE_TARGETS = {8: 0.95, 16: 0.85}
+# The one worker with the global batch as M micro-batches summed one after
+# the other (`--grad_accum_steps`), at each M of the targets.
+ACCUMULATED = "sync, one worker, accumulated"
 COLUMNS = ("model", "schedule", "stages", "microbatches", "virtual_stages",
            "step_s_measured", "spread", "step_s_predicted",
            "speedup_vs_one_worker", "ideal_speedup", "speedup_vs_m1",
@@ -76,7 +87,10 @@ def _workers(quick: bool) -> List[Dict]:
   deep = {"model": "deep_mlp", "batch": GLOBAL_BATCH}
   sync = [dict(deep, k=0, m=1, schedule="sync")] + (
       [] if quick else [dict(WIDE, k=0, m=1, schedule="sync")])
-  out = [{"devices": 1, "intra": 1, "inter": 1, "variants": sync},
+  accumulated = [] if quick else [
+      dict(deep, k=0, m=m, schedule="sync", accum=m) for m in SHARE_TARGETS]
+  out = [{"devices": 1, "intra": 1, "inter": 1,
+          "variants": sync + accumulated},
          {"devices": 1, "intra": 2, "inter": 1, "variants": sync[:1],
           "label": "sync, 2 cores"}]
   for k in (2,) if quick else (2, 4):
@@ -135,9 +149,11 @@ def run(quick: bool = False, rounds: int = None, timeline_path: str = None,
     r.pop("bars", None)
   judged = targets(rows)
   ceiling = two_cores(rows, together)
+  cost = microbatch_cost(rows)
   return {"rows": rows, "table": table(rows) + "\n\n" + "\n".join(
-      ceiling_lines(ceiling) + target_lines(judged)), "targets": judged,
-          "two_cores": ceiling, "global_batch": GLOBAL_BATCH,
+      ceiling_lines(ceiling) + microbatch_lines(cost) + target_lines(judged)),
+          "targets": judged, "two_cores": ceiling, "microbatch_cost": cost,
+          "global_batch": GLOBAL_BATCH,
           "rounds": rounds, "steps": steps}
 
 
@@ -183,17 +199,56 @@ def ceiling_lines(ceiling: Dict) -> List[str]:
   """`two_cores` as lines, each a median and the rounds' min-max."""
   if not ceiling:
     return ["- two cores against one: not measured (fewer than 2 cores)"]
-
-  def median_spread(values):
-    return (f"{statistics.median(values):.3f} (rounds {min(values):.3f}-"
-            f"{max(values):.3f})")
   lines = ["- two cores against one (two one-worker processes at once, "
-           f"each pinned to a core): {median_spread(ceiling['throughput'])}"
+           f"each pinned to a core): {_median_spread(ceiling['throughput'])}"
            "x the throughput; K=2's best share of the ideal is half that"]
   lines += [f"- 1f1b deep_mlp K=2 {m}: share of that best: "
-            f"{median_spread(shares)}"
+            f"{_median_spread(shares)}"
             for m, shares in ceiling.items() if m != "throughput"]
   return lines
+
+
+def microbatch_cost(rows: List[Dict]) -> Dict[int, Dict[str, List[float]]]:
+  """What the ideal's premise costs: the one worker's step with the batch
+  as M micro-batches (`ACCUMULATED`) over its step whole, per round; and
+  1F1B's K=2 share of the ideal speed-up against that one worker, i.e.
+  with micro-batches costing what they cost here. M -> {"cost", "shares"}
+  (no "shares" without 1F1B's row)."""
+  alone = next((r for r in rows if r["schedule"] == "sync, one worker"
+                and r["model"] == "deep_mlp"), None)
+  pipes = {r["microbatches"]: r for r in rows if (
+      r["schedule"], r["model"], r["stages"]) == ("1f1b", "deep_mlp", 2)}
+  out = {}
+  for r in rows:
+    if alone is None or (r["schedule"], r["model"]) != (ACCUMULATED,
+                                                       "deep_mlp"):
+      continue
+    m = r["microbatches"]
+    cost = [whole_m / whole for whole_m, whole in
+            zip(r["step_s_rounds"], alone["step_s_rounds"])]
+    out[m] = {"cost": cost}
+    if m in pipes:
+      out[m]["shares"] = [share * c for share, c in
+                          zip(round_shares(pipes[m], alone), cost)]
+  return out
+
+
+def microbatch_lines(cost: Dict[int, Dict[str, List[float]]]) -> List[str]:
+  """`microbatch_cost` as lines, each a median and the rounds' min-max."""
+  lines = []
+  for m, values in sorted(cost.items()):
+    lines.append(f"- one worker with the batch as M={m} micro-batches: "
+                 f"{_median_spread(values['cost'])}x its step whole")
+    if "shares" in values:
+      lines.append(f"- 1f1b deep_mlp K=2 M={m} against that one worker: "
+                   f"share of the ideal speed-up: "
+                   f"{_median_spread(values['shares'])}")
+  return lines
+
+
+def _median_spread(values: List[float]) -> str:
+  return (f"{statistics.median(values):.3f} (rounds {min(values):.3f}-"
+          f"{max(values):.3f})")
 
 
 def _row(spec, variant, runs, info) -> Dict:
@@ -203,7 +258,9 @@ def _row(spec, variant, runs, info) -> Dict:
   if info and name == "auto":
     name = f"auto: {info['name']}"
   row = {"model": variant["model"], "stages": k or 1, "microbatches": m,
-         "schedule": spec.get("label") or (name if k else "sync, one worker"),
+         "schedule": spec.get("label") or (
+             name if k else ACCUMULATED if variant.get("accum")
+             else "sync, one worker"),
          "virtual_stages": info["v"] if info else 1,
          "step_s_measured": statistics.median(seconds),
          "step_s_rounds": seconds,  # Round by round, for per-round ratios.

@@ -46,6 +46,9 @@ def _trainer(names, spec, variant):
               learning_rate=0.01, intra_op_threads=spec["intra"],
               inter_op_threads=spec["inter"], train_steps=10**9,
               log_every=spec["steps"] + 1, mode="sync", num_devices=1)
+  if variant.get("accum"):  # The batch as micro-batches, one at a time.
+    flat.update(global_batch_size=variant["batch"] // variant["accum"],
+                grad_accum_steps=variant["accum"])
   if variant["k"]:
     flat.update(mode="pipeline", num_devices=variant["k"],
                 num_stages=variant["k"], stage_split="params",
