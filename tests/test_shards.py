@@ -118,6 +118,72 @@ def test_index_shuffle_reads_only_the_records_a_step_uses(index_shards,
   assert BATCH <= len(asked) <= 8 * unit < 1000 * BATCH
 
 
+# -- ArrayRecord files: written uncompressed; compressed ones still read --
+
+
+def _compressible():
+  """N examples of 1024 floats, example i's input i then zeros: records of
+  4 KB that compress to a few bytes."""
+  x = np.zeros((N, 1024), np.float32)
+  x[:, 0] = np.arange(N)
+  y = (np.arange(N) % 2).astype(np.int32)
+  return Dataset(x, y, x[:10], y[:10], 2)
+
+
+def _record_bytes(dataset, manifest):
+  """{train file name: the bytes of its records} (ArrayRecord keeps the
+  dataset's order)."""
+  files = manifest["splits"]["train"]["files"]
+  starts = np.cumsum([0] + [f["records"] for f in files])
+  return {f["name"]: sum(len(shard_format.encode(dataset.train_x[i],
+                                                 dataset.train_y[i]))
+                         for i in range(start, start + f["records"]))
+          for f, start in zip(files, starts)}
+
+
+def test_arrayrecord_shards_are_written_uncompressed(tmp_path):
+  dataset = _compressible()
+  out = _write(dataset, "arrayrecord", str(tmp_path / "new"), num_shards=2)
+  manifest = shard_format.read_manifest(out)
+  for name, size in _record_bytes(dataset, manifest).items():
+    # Compressed, these zeros would take a fraction of it.
+    assert os.path.getsize(os.path.join(out, name)) >= size
+
+
+def test_compressed_arrayrecord_shards_still_read(tmp_path, monkeypatch):
+  """Shards written with the riegeli default compression (the writer's
+  options before) read the same records through the training input."""
+  dataset = _compressible()
+  monkeypatch.setattr(shard_format, "ARRAYRECORD_OPTIONS", "group_size:1")
+  old = _write(dataset, "arrayrecord", str(tmp_path / "old"), num_shards=2)
+  monkeypatch.undo()
+  new = _write(dataset, "arrayrecord", str(tmp_path / "new"), num_shards=2)
+  manifest = shard_format.read_manifest(old)
+  for name, size in _record_bytes(dataset, manifest).items():
+    assert os.path.getsize(os.path.join(old, name)) < size  # Compressed.
+  col = _column(old)  # Checked against the manifest: counts from footers.
+  # The records themselves, through the input's reader, in a random order.
+  order = np.random.RandomState(0).permutation(N)
+  split = col._split  # pylint: disable=protected-access
+  records = shard_stream._ArrayRecords(split.paths, split.counts).read(order)  # pylint: disable=protected-access
+  assert [bytes(r) for r in records] == [
+      shard_format.encode(dataset.train_x[i], dataset.train_y[i])
+      for i in order]
+  # An epoch of the training input: every example once, parsed whole, in
+  # the order the new shards give.
+  fn = col.train_dataset_fn(BATCH, 5, 0)
+  it = iter(fn(tf.distribute.InputContext()))
+  batches = [next(it) for _ in range(N // BATCH)]
+  x = np.concatenate([b[0].numpy() for b in batches])
+  y = np.concatenate([b[1].numpy() for b in batches])
+  ids = x[:, 0].astype(int)
+  assert sorted(ids) == list(range(N))
+  np.testing.assert_array_equal(x, dataset.train_x[ids])
+  np.testing.assert_array_equal(y, dataset.train_y[ids])
+  assert _ids(fn, 2, 2) == _ids(
+      _column(new).train_dataset_fn(BATCH, 5, 0), 2, 2)
+
+
 # -- bad data: one line naming the file, before training --
 
 
