@@ -215,9 +215,11 @@ class _ArrayRecords:
   one call at a time: tf.data calls from its own threads, whose Python
   thread state (and so a `threading.local`) lives for one call only, which
   would open every file again at every batch. Each record is a seek and a
-  read on a reader without parallelism: the reader's list read hands every
-  record to its thread pool, which costs about three times the CPU per
-  record, and tf.data's parallel calls are the parallelism here."""
+  read on a reader without parallelism (`max_parallelism:0`, no read-ahead):
+  the reader's list read hands every record to its thread pool, which
+  costs about three times the CPU per record, a reader with a pool of one
+  thread costs more per seek and read than one with none, and tf.data's
+  parallel calls are the parallelism here."""
 
   def __init__(self, paths: List[str], counts: List[int]):
     self._paths = paths
@@ -243,7 +245,7 @@ class _ArrayRecords:
       reader = readers.get(f)
       if reader is None:
         reader = readers[f] = array_record_module.ArrayRecordReader(
-            self._paths[f], "readahead_buffer_size:0,max_parallelism:1")
+            self._paths[f], "readahead_buffer_size:0,max_parallelism:0")
       reader.seek(index)
       out[row] = reader.read()
     return out
