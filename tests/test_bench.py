@@ -367,8 +367,9 @@ def test_pipeline_microbatch_cost_is_per_round():
   # runs 0.1/0.08 = 1.25x one worker, 0.664 of the ideal 1.882; against
   # the one worker's 16 micro-batches (0.15/0.08 = 1.875x) it is 0.996.
   # Round 2: 1.2x; 1F1B 1.5625x one worker, 0.830 of the ideal; 0.996.
-  cost = pipeline_bench.microbatch_cost([one_worker, accumulated, m16,
-                                         m8_alone])
+  # The accumulated rows come first: the reference is picked by name.
+  cost = pipeline_bench.microbatch_cost([accumulated, m8_alone, one_worker,
+                                         m16])
   assert cost.keys() == {8, 16}
   assert cost[16]["cost"] == pytest.approx([1.5, 1.2])
   assert cost[16]["shares"] == pytest.approx(
@@ -381,6 +382,28 @@ def test_pipeline_microbatch_cost_is_per_round():
       "1.200-1.500)x its step whole",
       "- 1f1b deep_mlp K=2 M=16 against that one worker: share of the ideal "
       "speed-up: 0.996 (rounds 0.996-0.996)"]
-  # Without the one worker's row: nothing measured, no line.
+  # Without the one worker's row: not measured, said so.
   assert pipeline_bench.microbatch_cost([accumulated, m16]) == {}
-  assert pipeline_bench.microbatch_lines({}) == []
+  assert pipeline_bench.microbatch_lines({}) == [
+      "- one worker with the batch as micro-batches: not measured"]
+
+
+def test_pipeline_accumulated_rows_are_not_the_reference():
+  from tools.benchmarks import pipeline_bench  # pylint: disable=g-import-not-at-top
+  one_worker_process = pipeline_bench._workers(False)[0]  # pylint: disable=protected-access
+  variants = one_worker_process["variants"]
+  # The first variant is the reference (and the pinned twins' copy).
+  assert "accum" not in variants[0] and variants[0]["model"] == "deep_mlp"
+  assert sorted(v["accum"] for v in variants if "accum" in v) == sorted(
+      pipeline_bench.SHARE_TARGETS)
+  assert not any("accum" in v for w in pipeline_bench._workers(True)  # pylint: disable=protected-access
+                 for v in w["variants"])
+  runs = [{"s": 0.3, "mb": 1.0, "bubble": None}]
+  rows = [pipeline_bench._row(one_worker_process, v, runs, False)  # pylint: disable=protected-access
+          for v in variants]
+  assert [r["schedule"] for r in rows if r["model"] == "deep_mlp"] == [
+      "sync, one worker"] + [pipeline_bench.ACCUMULATED] * len(
+          pipeline_bench.SHARE_TARGETS)
+  assert [r["microbatches"] for r in rows
+          if r["schedule"] == pipeline_bench.ACCUMULATED] == list(
+              pipeline_bench.SHARE_TARGETS)

@@ -216,12 +216,13 @@ def microbatch_cost(rows: List[Dict]) -> Dict[int, Dict[str, List[float]]]:
   (no "shares" without 1F1B's row)."""
   alone = next((r for r in rows if r["schedule"] == "sync, one worker"
                 and r["model"] == "deep_mlp"), None)
+  if alone is None:
+    return {}
   pipes = {r["microbatches"]: r for r in rows if (
       r["schedule"], r["model"], r["stages"]) == ("1f1b", "deep_mlp", 2)}
   out = {}
   for r in rows:
-    if alone is None or (r["schedule"], r["model"]) != (ACCUMULATED,
-                                                       "deep_mlp"):
+    if (r["schedule"], r["model"]) != (ACCUMULATED, "deep_mlp"):
       continue
     m = r["microbatches"]
     cost = [whole_m / whole for whole_m, whole in
@@ -234,7 +235,10 @@ def microbatch_cost(rows: List[Dict]) -> Dict[int, Dict[str, List[float]]]:
 
 
 def microbatch_lines(cost: Dict[int, Dict[str, List[float]]]) -> List[str]:
-  """`microbatch_cost` as lines, each a median and the rounds' min-max."""
+  """`microbatch_cost` as lines, each a median and the rounds' min-max;
+  one line saying so where it was not measured (`--quick`)."""
+  if not cost:
+    return ["- one worker with the batch as micro-batches: not measured"]
   lines = []
   for m, values in sorted(cost.items()):
     lines.append(f"- one worker with the batch as M={m} micro-batches: "
