@@ -175,20 +175,31 @@ def _pinned_twins(spec: Dict, steps: int) -> List:
   return twins
 
 
+def _one_worker(rows: List[Dict]):
+  """`deep_mlp`'s one-worker row, the reference of the per-round ratios
+  below (None if it was not measured)."""
+  return next((r for r in rows if r["schedule"] == "sync, one worker"
+               and r["model"] == "deep_mlp"), None)
+
+
+def _is_1f1b_k2(row: Dict) -> bool:
+  """Whether `row` is 1F1B on two stages of `deep_mlp`: the targets'."""
+  return (row["schedule"], row["model"], row["stages"]) == ("1f1b",
+                                                            "deep_mlp", 2)
+
+
 def two_cores(rows: List[Dict], together: List[List[float]]) -> Dict:
   """Two cores' throughput over one core's, per round, from the twins'
   steps run at once (`together`) and the one worker's step alone in the
   same round; and 1F1B's K=2 shares of the ideal against its half."""
-  alone = next((r for r in rows if r["schedule"] == "sync, one worker"
-                and r["model"] == "deep_mlp"), None)
+  alone = _one_worker(rows)
   if not together or alone is None:
     return {}
   ratios = [2 * a / statistics.mean(t)
             for a, t in zip(alone["step_s_rounds"], together)]
   out = {"throughput": ratios}
   for r in rows:
-    if (r["schedule"], r["model"], r["stages"]) == ("1f1b", "deep_mlp", 2) \
-        and r["microbatches"] in SHARE_TARGETS:
+    if _is_1f1b_k2(r) and r["microbatches"] in SHARE_TARGETS:
       out[f"M={r['microbatches']}"] = [
           share / (ratio / 2) for share, ratio in
           zip(round_shares(r, alone), ratios)]
@@ -214,12 +225,10 @@ def microbatch_cost(rows: List[Dict]) -> Dict[int, Dict[str, List[float]]]:
   1F1B's K=2 share of the ideal speed-up against that one worker, i.e.
   with micro-batches costing what they cost here. M -> {"cost", "shares"}
   (no "shares" without 1F1B's row)."""
-  alone = next((r for r in rows if r["schedule"] == "sync, one worker"
-                and r["model"] == "deep_mlp"), None)
+  alone = _one_worker(rows)
   if alone is None:
     return {}
-  pipes = {r["microbatches"]: r for r in rows if (
-      r["schedule"], r["model"], r["stages"]) == ("1f1b", "deep_mlp", 2)}
+  pipes = {r["microbatches"]: r for r in rows if _is_1f1b_k2(r)}
   out = {}
   for r in rows:
     if (r["schedule"], r["model"]) != (ACCUMULATED, "deep_mlp"):
