@@ -150,9 +150,10 @@ print(status("VmHWM") - before, status("VmRSS") - before)
 """
 
 
-def test_peak_memory_of_a_data_file_is_within_10x(tmp_path):
-  """The bound `data/text.py` states (8x in fact), measured on a 16 MB
-  file in a new process: a copy more of the windows (4x each) fails."""
+def test_peak_memory_of_a_data_file_is_within_11x(tmp_path):
+  """The bound `data/text.py` states, measured on a 16 MB file in a new
+  process: 8x in fact, about 10.5x where oneDNN's CPU allocator keeps freed
+  buffers; a copy more of the windows (4x each) fails under either."""
   size = 16 * 2**20
   corpus = _write(tmp_path, np.random.RandomState(0).randint(
       0, 256, size).astype(np.uint8).tobytes())
@@ -162,7 +163,7 @@ def test_peak_memory_of_a_data_file_is_within_10x(tmp_path):
       env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
   assert result.returncode == 0, result.stderr[-3000:]
   peak, held = (int(v) for v in result.stdout.split())
-  assert peak <= 10 * size, f"peak {peak / size:.1f}x the file"
+  assert peak <= 11 * size, f"peak {peak / size:.1f}x the file"
   assert held >= 7 * size  # It measured the windows (8x), not nothing.
 
 
