@@ -93,6 +93,18 @@ def _op_determinism_off_after_each_test():
     tf_config.disable_op_determinism()
 
 
+@pytest.fixture(autouse=True)
+def _cluster_read_again_after_each_test():
+  """The entry point reads TF_CONFIG once per process and keeps the cluster
+  (`experiments.flags.cluster`); a test that parsed flags under its own
+  TF_CONFIG (a monkeypatched one, gone after it) must not leave that
+  cluster to the next test that parses flags in this process."""
+  yield
+  run_flags = sys.modules.get("experiments.flags")
+  if run_flags is not None:
+    run_flags.use_cluster(None)
+
+
 # The slowest modules, slowest first (`pytest --durations=0`, summed per
 # module): `make test` hands whole modules to its two workers in collection
 # order (`--dist loadscope --no-loadscope-reorder`), so these go first and
