@@ -23,9 +23,9 @@ one copy of it, 8 bytes per byte of the file. Reading the file takes 2 bytes
 per byte, freed before the windows are made, so loading peaks at 8x the
 file. Where TensorFlow's oneDNN CPU allocator is on (its default on CPUs
 with AVX-512), freed buffers stay in its pool for later tensors instead of
-going back to the system, and the process peaks at about 10.5x the file;
-`tests/test_text_data.py` measures a bound of 11x, which one more copy of
-the windows (4x) exceeds under either allocator. A file whose windows would
+going back to the system, and the process peaks at about 10.5x the file.
+`tests/test_text_data.py` measures both, against bounds of 10x and 11x that
+one more copy of the windows (4x) would exceed. A file whose windows would
 not fit in the memory available is refused before it is read
 (`data/corpus.py` checks the file itself).
 """
