@@ -78,9 +78,12 @@ def _error(tmp_path, monkeypatch, case):
   elif case == "pipe":
     path = str(tmp_path / "fifo")
     os.mkfifo(path)  # Opening it would wait for a writer forever.
-  elif case == "too_large":
-    path = _write(tmp_path, b"x" * 5000)
-    monkeypatch.setattr(text, "available_memory", lambda: 20_000)
+  elif case.startswith("too_large"):  # 40,000 bytes to load (8x), 55,000
+    path = _write(tmp_path, b"x" * 5000)  # under oneDNN's allocator (11x).
+    onednn = case == "too_large_for_onednn"
+    monkeypatch.setattr(text, "available_memory",
+                        lambda: 50_000 if onednn else 20_000)
+    monkeypatch.setattr(text, "_onednn", lambda: onednn)
   elif case == "empty":
     path = _write(tmp_path, b"")
   else:  # Shorter than one held-out window of 17 bytes: needs 321.
@@ -98,8 +101,10 @@ def _error(tmp_path, monkeypatch, case):
     ("device", r"is not a regular file \(a device, a pipe or a socket\); "
                r"pass a file"),
     ("pipe", r"is not a regular file"),
-    ("too_large", r"its windows need about 0 MB of memory \(8 bytes per "
+    ("too_large", r"loading it needs about 0 MB of memory \(8 bytes per "
                   r"byte\), but 0 MB are available; use a smaller file"),
+    ("too_large_for_onednn", r"loading it needs about 0 MB of memory \(11 "
+                             r"bytes per byte\), but 0 MB are available"),
     ("empty", r"is empty; give a file of at least 321 bytes"),
     ("short", r"has 320 bytes, too short for --seq_len=16.*at least 321; "
               r"use a longer file or --seq_len=15"),
@@ -168,6 +173,15 @@ def test_peak_memory_of_a_data_file_is_bounded(tmp_path, onednn, bound):
   peak, held = (int(v) for v in result.stdout.split())
   assert peak <= bound * size, f"peak {peak / size:.1f}x the file"
   assert held >= 7 * size  # It measured the windows (8x), not nothing.
+
+
+def test_a_file_that_fits_without_onednn_loads(tmp_path, monkeypatch):
+  """The other side of `too_large_for_onednn`: the same file and memory
+  load with TensorFlow's default allocator (8 bytes per byte)."""
+  path = _write(tmp_path, b"x" * 5000)
+  monkeypatch.setattr(text, "available_memory", lambda: 50_000)
+  monkeypatch.setattr(text, "_onednn", lambda: False)
+  assert _load(path, seq_len=16).train_x.shape[1] == 16
 
 
 def test_text_needs_a_data_file(tmp_path):
