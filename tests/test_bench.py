@@ -231,7 +231,8 @@ def test_a_profiled_step_names_its_top_ops(tmp_path, jit_compile):
                                             reverse=True)
   assert 0 < sum(o.share for o in ops) <= 1 + 1e-9
   # The layers' matmuls, as TensorFlow kernels (oneDNN's where TensorFlow
-  # rewrites them: its default on CPUs with AVX-512) or XLA instructions.
+  # rewrites them: its default on x86 CPUs with AVX512_VNNI, AVX512_BF16,
+  # AVX_VNNI or AMX) or XLA instructions.
   matmuls = [o for o in ops if o.name in ("MatMul", "_MklMatMul")]
   assert [o.xla for o in matmuls] == [jit_compile]
   assert matmuls[0].count >= 2  # Both layers' forward, at least.

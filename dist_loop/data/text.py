@@ -21,9 +21,10 @@ so that the input stream (every async worker's too) takes them as they are,
 without a copy: the inputs are a view of the data as int32 and the targets
 one copy of it, 8 bytes per byte of the file. Reading the file takes 2 bytes
 per byte, freed before the windows are made, so loading peaks at 8x the
-file. Where TensorFlow's oneDNN CPU allocator is on (its default on CPUs
-with AVX-512), freed buffers stay in its pool for later tensors instead of
-going back to the system, and the process peaks at about 10.5x the file.
+file. Where TensorFlow's oneDNN CPU allocator is on (its default on x86
+CPUs with AVX512_VNNI, AVX512_BF16, AVX_VNNI or AMX, or with
+`TF_ENABLE_ONEDNN_OPTS=1`), freed buffers stay in its pool for later tensors
+instead of going back to the system, and the process peaks at about 10.5x the file.
 `tests/test_text_data.py` measures both, against bounds of 10x and 11x that
 one more copy of the windows (4x) would exceed. A file whose loading would
 not fit in the memory available (8 or 11 bytes per byte) is refused before
@@ -184,8 +185,8 @@ def _dataset(read: Callable[[], tf.Tensor], seq_len: int,
       train_x, train_y = _windows(train_tokens, seq_len)
   except (MemoryError, tf.errors.ResourceExhaustedError):
     raise UserError(f"{source} does not fit in memory as windows "
-                    f"({BYTES_PER_BYTE} bytes per byte); use a smaller file"
-                    ) from None
+                    f"({loading_bytes_per_byte()} bytes per byte to load); "
+                    "use a smaller file") from None
   return Dataset(train_x, train_y, eval_x, eval_y, VOCAB_SIZE, task=TASK,
                  source=source)
 
