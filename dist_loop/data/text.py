@@ -23,10 +23,10 @@ one copy of it, 8 bytes per byte of the file. Reading the file takes 2 bytes
 per byte, freed before the windows are made, so loading peaks at 8x the
 file. Where TensorFlow's oneDNN CPU allocator is on (its default on x86
 CPUs with AVX512_VNNI, AVX512_BF16, AVX_VNNI or AMX, or with
-`TF_ENABLE_ONEDNN_OPTS=1`), freed buffers stay in its pool for later tensors
-instead of going back to the system, and the process peaks at about 10.5x the file.
-`tests/test_text_data.py` measures both, against bounds of 10x and 11x that
-one more copy of the windows (4x) would exceed. A file whose loading would
+`TF_ENABLE_ONEDNN_OPTS=1`), freed buffers stay in its pool for later
+tensors instead of going back to the system, and the process peaks at
+about 10.5x the file. `tests/test_text_data.py` measures both, against
+bounds of 10x and 11x that one more copy of the windows (4x) would exceed. A file whose loading would
 not fit in the memory available (8 or 11 bytes per byte) is refused before
 it is read (`data/corpus.py` checks the file itself).
 """
