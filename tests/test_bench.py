@@ -164,7 +164,14 @@ def test_quick_suites_write_consistent_json(tmp_path):
                                               / fit["train GFLOP/s"])
   # The targets: every sync row's MFU (MLP 0.85, Transformer 0.70), then
   # each model's one-device XLA loop against fit with XLA (1.0x).
-  lines = targets["mfu"]
+  # First, XLA's own chain of matmuls against the peak's, per round.
+  ceiling = suites["mfu"]["xla_matmul"]
+  assert _positive(ceiling["of peak"])
+  first, *lines = targets["mfu"]
+  assert first == mfu.ceiling_line(ceiling)
+  assert first.startswith(
+      f"- the same chain of matmuls compiled with XLA: {ceiling['of peak']:.3f}"
+      f" ({ceiling['spread']}) of the peak")
   ours = [r for r in rows if r["loop"] != "keras fit 1 device"]
   assert len(lines) == len(ours) + 1
   for line, row in zip(lines, ours):
@@ -360,10 +367,15 @@ def test_pipeline_microbatch_cost_is_per_round():
                 "stages": 1, "microbatches": 1, "step_s_rounds": [0.1, 0.2]}
   accumulated = {"schedule": pipeline_bench.ACCUMULATED, "model": "deep_mlp",
                  "stages": 1, "microbatches": 16,
-                 "step_s_rounds": [0.15, 0.24]}
+                 "step_s_rounds": [0.15, 0.24], "step_s_measured": 0.195}
+  # The timed steps' actions: stage 1 is the slower, 1.6 + 3.4 = 5 ms a
+  # micro-batch, against the one worker's (median) 0.195 s / 16 / 2 =
+  # 6.094 ms: 0.821x; 17 of them are 0.085 s, 0.817 of the step's 0.104 s.
   m16 = {"schedule": "1f1b", "model": "deep_mlp", "stages": 2,
          "microbatches": 16, "ideal_speedup": 32 / 17,
-         "step_s_rounds": [0.08, 0.128]}
+         "step_s_rounds": [0.08, 0.128], "step_s_measured": 0.104,
+         "durations": {"0": {"F": 0.0015, "B": 0.003},
+                       "1": {"F": 0.0016, "B": 0.0034}}}
   # No 1F1B row at M=8: its cost alone.
   m8_alone = dict(accumulated, microbatches=8, step_s_rounds=[0.11, 0.22])
   # Round 1: 16 micro-batches take 1.5x the whole batch's step, and 1F1B
@@ -377,6 +389,9 @@ def test_pipeline_microbatch_cost_is_per_round():
   assert cost[16]["cost"] == pytest.approx([1.5, 1.2])
   assert cost[16]["shares"] == pytest.approx(
       [0.15 / 0.08 / (32 / 17), 0.24 / 0.128 / (32 / 17)])
+  assert cost[16]["action_s"] == pytest.approx(0.005)
+  assert cost[16]["actions"] == pytest.approx(0.005 / (0.195 / 32))
+  assert cost[16]["schedule"] == pytest.approx(17 * 0.005 / 0.104)
   assert cost[8] == {"cost": pytest.approx([1.1, 1.1])}
   assert pipeline_bench.microbatch_lines(cost) == [
       "- one worker with the batch as M=8 micro-batches: 1.100 (rounds "
@@ -384,7 +399,15 @@ def test_pipeline_microbatch_cost_is_per_round():
       "- one worker with the batch as M=16 micro-batches: 1.350 (rounds "
       "1.200-1.500)x its step whole",
       "- 1f1b deep_mlp K=2 M=16 against that one worker: share of the ideal "
-      "speed-up: 0.996 (rounds 0.996-0.996)"]
+      "speed-up: 0.996 (rounds 0.996-0.996)",
+      "- 1f1b deep_mlp K=2 M=16: a micro-batch's actions on its slower stage "
+      "5.00 ms, 0.821x that one worker's micro-batch over the 2 stages; "
+      "(M+K-1) of them are 0.817 of its step"]
+  # Without the timed steps' actions, the shares alone.
+  no_actions = {k: v for k, v in m16.items() if k != "durations"}
+  assert pipeline_bench.microbatch_cost([accumulated, one_worker,
+                                         no_actions])[16].keys() == {
+                                             "cost", "shares"}
   # Without the one worker's row: not measured, said so.
   assert pipeline_bench.microbatch_cost([accumulated, m16]) == {}
   assert pipeline_bench.microbatch_lines({}) == [

@@ -36,7 +36,9 @@ other (`--grad_accum_steps=M`, at each M of the targets); that step over
 the one worker's whole one, per round, is what a micro-batch costs beyond
 its share on this machine's kernels, and 1F1B's share of the ideal against
 that one worker (the same micro-batches, not pipelined) is printed beside
-the targets.
+the targets, with the rest of that share (`microbatch_cost`): what 1F1B's
+actions on a micro-batch cost against that one worker's, and how much of
+its step (M+K-1) of them fill.
 
 Below the table, the issue's targets, each met or not (or not measured,
 as at `--quick`'s sizes). The share of the ideal speed-up is taken per
@@ -224,7 +226,17 @@ def microbatch_cost(rows: List[Dict]) -> Dict[int, Dict[str, List[float]]]:
   as M micro-batches (`ACCUMULATED`) over its step whole, per round; and
   1F1B's K=2 share of the ideal speed-up against that one worker, i.e.
   with micro-batches costing what they cost here. M -> {"cost", "shares"}
-  (no "shares" without 1F1B's row)."""
+  (no "shares" without 1F1B's row).
+
+  Where 1F1B's timed steps give its actions' durations, the rest of its
+  share, by the rounds' medians: "actions", its slower stage's work on one
+  micro-batch (every action of it, F and B) over that one worker's
+  micro-batch split over the K stages (above 1: a pipelined action costs
+  more than the same work unpipelined, as when the cores share caches,
+  memory or a clock); and "schedule", (M+K-1) of those actions over its
+  whole step (the schedule's own share: 1 for a step with no idle time
+  beyond the ideal's bubble and no other work). Its share of the ideal is
+  about schedule / (cost * actions)."""
   alone = _one_worker(rows)
   if alone is None:
     return {}
@@ -238,8 +250,16 @@ def microbatch_cost(rows: List[Dict]) -> Dict[int, Dict[str, List[float]]]:
             zip(r["step_s_rounds"], alone["step_s_rounds"])]
     out[m] = {"cost": cost}
     if m in pipes:
+      pipe = pipes[m]
       out[m]["shares"] = [share * c for share, c in
-                          zip(round_shares(pipes[m], alone), cost)]
+                          zip(round_shares(pipe, alone), cost)]
+      if pipe.get("durations"):
+        k = pipe["stages"]
+        slower = max(sum(kinds.values())
+                     for kinds in pipe["durations"].values())
+        unpipelined = r["step_s_measured"] / m / k
+        out[m].update(action_s=slower, actions=slower / unpipelined,
+                      schedule=(m + k - 1) * slower / pipe["step_s_measured"])
   return out
 
 
@@ -256,6 +276,12 @@ def microbatch_lines(cost: Dict[int, Dict[str, List[float]]]) -> List[str]:
       lines.append(f"- 1f1b deep_mlp K=2 M={m} against that one worker: "
                    f"share of the ideal speed-up: "
                    f"{_median_spread(values['shares'])}")
+    if "actions" in values:
+      lines.append(
+          f"- 1f1b deep_mlp K=2 M={m}: a micro-batch's actions on its slower "
+          f"stage {values['action_s'] * 1e3:.2f} ms, {values['actions']:.3f}x "
+          f"that one worker's micro-batch over the 2 stages; (M+K-1) of them "
+          f"are {values['schedule']:.3f} of its step")
   return lines
 
 
