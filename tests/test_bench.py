@@ -9,13 +9,15 @@ import itertools
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
 from conftest import REPO
-from tools.benchmarks import common, mfu
+from tools.benchmarks import common, goodput_bench, mfu
 
 
 def test_mfu_flop_count_matches_hand_count():
@@ -185,6 +187,101 @@ def test_quick_suites_write_consistent_json(tmp_path):
     assert f"{row['vs fit xla']:.3f}x Keras fit with XLA" in line
     assert line.endswith("(target >= 1.0): " + (
         "met" if row["vs fit xla"] >= 1.0 else "NOT met"))
+
+
+def _bench(*args, **kwargs) -> subprocess.Popen:
+  """tools.bench, in a process group of its own (`_ended` ends it)."""
+  return subprocess.Popen([sys.executable, "-m", "tools.bench", *args],
+                          cwd=REPO, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True,
+                          start_new_session=True, **kwargs)
+
+
+def _ended(bench: subprocess.Popen, timeout=60):
+  """(stdout, stderr) of `bench` once it exits; if it does not within
+  `timeout`, or the test fails meanwhile, its process group is killed."""
+  try:
+    return bench.communicate(timeout=timeout)
+  finally:
+    _kill(bench)
+
+
+def _kill(bench: subprocess.Popen) -> None:
+  if bench.poll() is None:
+    os.killpg(bench.pid, signal.SIGKILL)  # The rest die with it.
+    bench.wait()
+
+
+@pytest.mark.parametrize("out, problem", [
+    ("", "not a file name"),
+    ("{tmp}", "is a directory"),
+    ("{tmp}/", "not a file name"),
+    ("{tmp}/fifo", "is not a regular file (a FIFO, a socket or a device)"),
+    ("{tmp}/file/bench.json", "{tmp}/file is not a directory"),
+])
+def test_a_bad_out_is_refused_before_any_suite_runs(tmp_path, out, problem):
+  os.mkfifo(tmp_path / "fifo")
+  (tmp_path / "file").write_text("kept")
+  out, problem = (s.format(tmp=tmp_path) for s in (out, problem))
+  before = sorted(tmp_path.iterdir())
+  _, err = _ended(_bench("--quick", "--suite=memory", f"--out={out}"))
+  # absl's one line (and its pointer to --helpfull), nothing run, nothing
+  # written: the FIFO would have blocked a suite's write.
+  assert err.splitlines()[0] == (
+      f"FATAL Flags parsing error: flag --out={out}: {problem}; name a JSON "
+      "file, e.g. --out=bench.json"), err
+  assert sorted(tmp_path.iterdir()) == before
+  assert (tmp_path / "file").read_text() == "kept"
+
+
+def test_a_stray_argument_is_refused_in_one_line(tmp_path):
+  """`tools.bench overhead` (no --suite=) runs nothing, overwrites
+  nothing."""
+  out = tmp_path / "bench.json"
+  out.write_text("kept")
+  bench = _bench("--quick", f"--out={out}", "overhead", "mfu")
+  stdout, err = _ended(bench)
+  assert (bench.returncode, stdout) == (1, "")
+  assert err == ("error: unexpected arguments: overhead mfu; every setting "
+                 "is a --flag (suites: --suite=overhead,mfu)\n")
+  assert out.read_text() == "kept"
+
+
+@pytest.mark.skipif(goodput_bench._cores() is None,  # pylint: disable=protected-access
+                    reason="the chaos run needs 2 cores to pin its workers")
+def test_sigterm_stops_the_goodput_cluster_and_removes_its_files(tmp_path):
+  """SIGTERM (what `timeout` sends) once the chaos run's launcher has
+  forked its two workers: one line, exit code 143, and nothing the
+  benchmark started is left, neither a process nor its temporary
+  directory."""
+  temp = tmp_path / "tmp"
+  temp.mkdir()
+  out = tmp_path / "bench.json"
+  bench = _bench("--quick", "--suite=goodput", f"--out={out}",
+                 env=dict(os.environ, TMPDIR=str(temp)))
+  try:
+    tree, deadline = [], time.monotonic() + 300
+    while not tree and bench.poll() is None and time.monotonic() < deadline:
+      time.sleep(0.2)
+      for pid in goodput_bench._descendants(bench.pid):  # pylint: disable=protected-access
+        if len(goodput_bench._tasks(pid)) == 2:  # pylint: disable=protected-access
+          tree = goodput_bench._descendants(bench.pid)  # pylint: disable=protected-access
+    assert tree, "the chaos run's launcher did not fork its workers"
+    assert len(list(temp.glob("goodput_bench_*"))) == 1
+    bench.send_signal(signal.SIGTERM)
+    stdout, err = _ended(bench)
+  finally:
+    _kill(bench)
+  assert bench.returncode == 143, err[-3000:]
+  # After the checkpoint part's lines, one line; no traceback.
+  assert err.endswith(f"\nerror: interrupted (SIGTERM); no suite finished; "
+                      f"{out} was not written\n"), err[-3000:]
+  assert "Traceback" not in err
+  assert "goodput" not in stdout
+  # Launcher, fork server and workers: gone by the time the bench exits.
+  assert len(tree) >= 4
+  assert [p for p in tree if goodput_bench._running(p)] == []  # pylint: disable=protected-access
+  assert list(temp.glob("goodput_bench_*")) == [] and not out.exists()
 
 
 def test_mfu_targets_are_each_models_own():

@@ -125,17 +125,19 @@ def _fake_runner(summary, failure=None, calls=None):
 def test_check_runs_the_command_in_a_fresh_workdir_and_judges(tmp_path):
   header = cf.read_header(_write(tmp_path, HEADER))
   root = str(tmp_path / "root")
-  os.makedirs(os.path.join(root, "x", "checkpoints"))  # A previous run's.
+  place = os.path.join(os.path.abspath(root), "x")
+  assert cf.check(header, root, 5.0, _fake_runner(None)).broken
+  os.makedirs(os.path.join(place, "checkpoints"))  # A previous run's.
   calls = []
   kept = cf.check(header, root, 5.0, _fake_runner(
       {"final_step": 600, "eval_accuracy": 0.98, "memory_held_mb": 3.6},
       calls=calls))
   assert kept.kept and kept.name == "x"
   (command, log_path, timeout_s), = calls
-  assert command[-1] == (
-      f"--workdir={os.path.join(os.path.abspath(root), 'x', 'workdir')}")
-  assert not os.path.exists(os.path.join(root, "x", "checkpoints"))
-  assert log_path == os.path.join(root, "x.log") and timeout_s == 5.0
+  assert command[-1] == f"--workdir={os.path.join(place, 'workdir')}"
+  assert not os.path.exists(os.path.join(place, "checkpoints"))
+  assert sorted(os.listdir(place)) == [cf.MARKER, "workdir"]
+  assert log_path == os.path.join(place, "x.log") and timeout_s == 5.0
   broken = cf.check(header, root, 5.0, _fake_runner(
       {"final_step": 600, "eval_accuracy": 0.5, "memory_held_mb": 7.3}))
   assert broken.broken == [
@@ -228,3 +230,94 @@ def test_setup_commands_run_first_in_the_runs_own_directory(tmp_path):
                                                            "experiments.train"]
   failed = cf.check(header, root, 5.0, _fake_runner(None, "exit code 2"))
   assert failed.broken == ["setup python -m tools.make_shards: exit code 2"]
+
+
+def test_check_replaces_only_a_place_it_made_or_an_empty_one(tmp_path):
+  header = cf.read_header(_write(tmp_path, HEADER))
+  root = tmp_path / "root"
+  (root / "x").mkdir(parents=True)  # Empty: used.
+  summary = {"final_step": 600, "eval_accuracy": 0.98, "memory_held_mb": 3.6}
+  assert cf.check(header, str(root), 5.0, _fake_runner(summary)).kept
+  assert (root / "x" / cf.MARKER).is_file()
+  (root / "x" / cf.MARKER).unlink()  # Now a directory someone else keeps.
+  calls = []
+  with pytest.raises(cf.InputError, match=r"x is not empty and was not made "
+                     r"by this check \(it has no \.check_flagfiles\); move "
+                     "it away, or pass another --root"):
+    cf.check(header, str(root), 5.0, _fake_runner(summary, calls=calls))
+  assert not calls
+  assert (root / "x" / "workdir" / "summary.json").is_file()
+
+
+def test_a_root_holding_others_files_is_refused_before_any_run(
+    monkeypatch, capsys, tmp_path):
+  """--root=runs would hold make train's runs/default: never removed."""
+  monkeypatch.chdir(REPO)
+  (tmp_path / "default").mkdir()
+  (tmp_path / "default" / "precious.txt").write_text("x")
+  (tmp_path / "ps").write_text("a file in the place")
+  for name in ("default", "ps"):
+    assert cf.main([f"--only={name}", f"--root={tmp_path}",
+                    "--timeout_s=2"]) == 2
+  out, err = capsys.readouterr()
+  place = tmp_path / "default"
+  assert err.splitlines() == [
+      f"error: {place} is not empty and was not made by this check (it has "
+      f"no {cf.MARKER}); move it away, or pass another --root",
+      f"error: {tmp_path / 'ps'} exists and is not a directory; move it "
+      "away, or pass another --root"]
+  assert out == ""
+  assert (place / "precious.txt").read_text() == "x"
+  assert sorted(os.listdir(tmp_path)) == ["default", "ps"]
+  assert os.listdir(place) == ["precious.txt"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("flags, line", [
+    (["--record={t}/fifo"], "error: --record={t}/fifo is not a regular file "
+     "(a device, a pipe or a socket); pass a page with a '## Last results' "
+     "heading"),
+    (["--record={t}/dir"], "error: --record={t}/dir is a directory; pass a "
+     "page with a '## Last results' heading"),
+    (["--record={t}/none"], "error: --record={t}/none cannot be read (No "
+     "such file or directory); pass a page with a '## Last results' heading"),
+    (["--root={t}/file"], "error: --root={t}/file is not a directory; pass a "
+     "directory, or a new path under one"),
+    (["--root={t}/file/a/b"], "error: --root={t}/file/a/b: {t}/file is not a "
+     "directory; pass a directory, or a new path under one"),
+    (["--root={t}/fifo"], "error: --root={t}/fifo is not a directory; pass a "
+     "directory, or a new path under one"),
+    (["--timeout_s=nan"], "error: --timeout_s=nan is not a positive number "
+     "of seconds; pass one such as 1800"),
+    (["--timeout_s=-5"], "error: --timeout_s=-5 is not a positive number of "
+     "seconds; pass one such as 1800"),
+    (["--timeout_s=0"], "error: --timeout_s=0 is not a positive number of "
+     "seconds; pass one such as 1800"),
+    (["--timeout_s=inf"], "error: --timeout_s=inf is not a positive number "
+     "of seconds; pass one such as 1800"),
+])
+def test_bad_flags_are_refused_in_one_line_before_anything_runs(
+    monkeypatch, capsys, tmp_path, flags, line):
+  monkeypatch.chdir(REPO)
+  os.mkfifo(tmp_path / "fifo")
+  (tmp_path / "file").write_text("x")
+  (tmp_path / "dir").mkdir()
+  root = [] if any(f.startswith("--root=") for f in flags) else [
+      f"--root={tmp_path}/root"]
+  t = str(tmp_path)
+  assert cf.main(["--only=default"] + root +
+                 [f.format(t=t) for f in flags]) == 2
+  out, err = capsys.readouterr()
+  assert err.splitlines() == [line.format(t=t)] and out == ""
+  assert sorted(os.listdir(tmp_path)) == ["dir", "fifo", "file"]
+  assert (tmp_path / "file").read_text() == "x"
+
+
+def test_a_root_that_cannot_be_written_is_one_line(monkeypatch, capsys):
+  monkeypatch.chdir(REPO)
+  assert cf.main(["--only=default", "--root=/proc/no_such_process/x"]) == 2
+  out, err = capsys.readouterr()
+  assert out == "[check_flagfiles] default.flags ...\n"
+  assert err.splitlines() == [
+      "error: /proc/no_such_process/x/default cannot be made (No such file "
+      "or directory); pass a --root you can write to"]

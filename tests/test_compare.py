@@ -5,11 +5,15 @@ by `python -m tools.compare` as a user runs it, in a new process at the
 default verbosity (its own lines only) and at --verbosity=2 (TensorFlow's
 lines too): tests/test_quiet_tools.py's check of tools.bench, on tools.compare.
 Bad inputs: a summary.json that a run does not write, an output path in a
-missing directory, a diverged run; and tools.bench's empty suite list.
+missing directory, an output or an event file that is a FIFO or a
+directory, a --plot not ending in .png, a --logdir that is a file, a
+diverged run; and tools.bench's empty suite list.
 """
 
 import json
+import os
 
+from absl.testing import flagsaver
 import pytest
 import tensorflow as tf
 
@@ -153,3 +157,92 @@ def test_bench_refuses_an_empty_suite_list(tmp_path):
   assert result.returncode != 0, result.stdout
   assert "no suite" in result.stderr and "Traceback" not in result.stderr
   assert "wrote" not in result.stdout and not out.exists()
+
+
+def _outputs(tmp_path):
+  """A run (summary.json only), a FIFO, a directory and a file, beside it."""
+  os.mkfifo(tmp_path / "fifo")
+  (tmp_path / "dir").mkdir()
+  (tmp_path / "file").write_text("kept")
+  return _workdir(tmp_path, "run", "{}")
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("json", "fifo", "--json={t}/fifo is a FIFO (pipe); name a file"),
+    ("plot", "fifo", "--plot={t}/fifo is a FIFO (pipe); name a file"),
+    ("json", "dir", "--json={t}/dir is a directory; name a file"),
+    ("plot", "dir", "--plot={t}/dir is a directory; name a file"),
+    ("plot", "noext", "--plot={t}/noext does not end in .png; name a .png "
+     "file"),
+    ("json", "missing/x.json", "--json={t}/missing/x.json: the directory "
+     "{t}/missing does not exist; create it or choose another path"),
+    ("json", "file/x.json", "--json={t}/file/x.json: {t}/file is a file, not "
+     "a directory; choose another path"),
+    ("json", "run/summary.json", "--json={t}/run/summary.json is {t}/run's "
+     "summary.json, which it reads; choose another path"),
+    ("plot", "/proc/x.png", "--plot=/proc/x.png: the directory /proc is not "
+     "writable (No such file or directory); choose another path"),
+    ("logdir", "file", "--logdir={t}/file is a file, not a directory; name a "
+     "directory (a missing one is made)"),
+    ("logdir", "fifo", "--logdir={t}/fifo is a FIFO (pipe), not a directory; "
+     "name a directory (a missing one is made)"),
+    ("logdir", "file/sub", "--logdir={t}/file/sub: {t}/file is a file, not a "
+     "directory; name a directory (a missing one is made)"),
+    ("logdir", "/proc/x", "--logdir=/proc/x: the directory /proc is not "
+     "writable (No such file or directory); choose another path"),
+])
+def test_an_output_that_cannot_be_written_is_refused_before_any_work(
+    tmp_path, flag, value, message):
+  """Checked by kind before anything opens it (a FIFO would block); the
+  file and the FIFO are left as they were, and nothing is written."""
+  workdir = _outputs(tmp_path)
+  before = sorted(os.listdir(tmp_path))
+  outputs = {"plot": "", "json": "", "logdir": "",
+             flag: os.path.join(str(tmp_path), value)}
+  with flagsaver.flagsaver(**outputs):
+    with pytest.raises(compare.RunError) as error:
+      compare.check_outputs([workdir])
+  assert str(error.value) == message.format(t=tmp_path)
+  assert sorted(os.listdir(tmp_path)) == before
+  assert (tmp_path / "file").read_text() == "kept"
+  assert os.listdir(tmp_path / "dir") == []
+  with flagsaver.flagsaver(plot=str(tmp_path / "new.png"),
+                           json=str(tmp_path / "file"),
+                           logdir=str(tmp_path / "tb" / "compare")):
+    compare.check_outputs([workdir])  # New paths, or a file to replace.
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("make, kind", [(os.mkfifo, "a FIFO (pipe)"),
+                                        (os.mkdir, "a directory")])
+def test_an_input_that_is_not_a_file_is_named_not_read(tmp_path, make, kind):
+  """summary.json or an event file that is a FIFO (whose read would block
+  forever) or a directory."""
+  workdir = tmp_path / "no_summary"
+  workdir.mkdir()
+  make(workdir / "summary.json")
+  with pytest.raises(compare.RunError) as error:
+    compare.load_run(str(workdir))
+  assert str(error.value) == (f"{workdir}/summary.json is {kind}, not a "
+                              "run's summary; move it aside or leave that "
+                              "run out")
+  workdir = _workdir(tmp_path, "bad_events", "{}")
+  os.makedirs(os.path.join(workdir, "tb", "train"))
+  events = os.path.join(workdir, "tb", "train", "events.out.tfevents.1.x")
+  make(events)
+  with pytest.raises(compare.RunError) as error:
+    compare.load_run(workdir)
+  assert str(error.value) == (f"{events} is {kind}, not an event file; move "
+                              "it aside or leave that run out")
+
+
+def test_a_fifo_as_the_json_output_is_one_line_not_a_hang(tmp_path):
+  """As a user runs it: exit 1, one line, no table; the FIFO is not opened
+  (no reader: opening it to write would block forever)."""
+  os.mkfifo(tmp_path / "out.json")
+  result = run_tool("tools.compare", str(tmp_path / "run"), "--plot=",
+                    f"--json={tmp_path / 'out.json'}", timeout=120)
+  assert result.returncode == 1
+  assert result.stdout == ""
+  assert result.stderr == (f"error: --json={tmp_path}/out.json is a FIFO "
+                           "(pipe); name a file\n")

@@ -188,6 +188,88 @@ def test_bad_input_to_the_tool_is_one_line_and_exit_code_2(tmp_path):
       "record (JSONDecodeError); move the file aside to read the others"]
 
 
+def _recorded_run(tmp_path):
+  """A workdir whose goodput record holds one attempt."""
+  workdir = tmp_path / "run"
+  (workdir / "logs").mkdir(parents=True)
+  files.append_json_line(str(workdir / goodput.GOODPUT_FILE),
+                         _attempt(50.0, 100.0, 11))
+  return workdir
+
+
+@pytest.mark.parametrize("record", [goodput.GOODPUT_FILE,
+                                    "goodput.worker-1.jsonl",
+                                    "logs/launch.jsonl"])
+@pytest.mark.parametrize("make, kind", [(os.mkfifo, "a FIFO (pipe)"),
+                                        (os.mkdir, "a directory")])
+def test_a_record_that_is_not_a_file_is_one_line_not_a_hang(
+    tmp_path, record, make, kind):
+  """A FIFO in a record's place is refused by its kind, not opened (the
+  read would wait for a writer forever)."""
+  workdir = _recorded_run(tmp_path)
+  path = workdir / record
+  if path.exists():
+    path.unlink()
+  make(path)
+  result = run_tool("tools.goodput", str(workdir), "--plot=", timeout=60)
+  fix = ("read the goodput records without it" if record.startswith("logs")
+         else "read the others")
+  assert result.returncode == 2
+  assert result.stdout == ""
+  assert result.stderr == (f"error: {path} is {kind}, not a record; move it "
+                           f"aside to {fix}\n")
+
+
+@pytest.mark.parametrize("plot, message", [
+    ("missing/x.png", "--plot={t}/missing/x.png: the directory {t}/missing "
+     "does not exist; create it or choose another path"),
+    ("/proc/x.png", "--plot=/proc/x.png: the directory /proc is not writable "
+     "(No such file or directory); choose another path"),
+    ("noext", "--plot={t}/noext does not end in .png; name a .png file"),
+    ("run", "--plot={t}/run is a directory; name a file"),
+    ("fifo.png", "--plot={t}/fifo.png is a FIFO (pipe); name a file"),
+])
+def test_a_plot_that_cannot_be_written_is_refused_before_the_tables(
+    tmp_path, plot, message):
+  """One line and exit code 2, nothing printed or written: not a
+  traceback after the tables, nor a plot written to another path than the
+  one named (matplotlib adds .png to a name without it)."""
+  workdir = _recorded_run(tmp_path)
+  os.mkfifo(tmp_path / "fifo.png")
+  before = sorted(os.listdir(tmp_path))
+  result = run_tool("tools.goodput", str(workdir),
+                    f"--plot={os.path.join(str(tmp_path), plot)}", timeout=60)
+  assert result.returncode == 2
+  assert result.stdout == ""
+  assert result.stderr == f"error: {message.format(t=tmp_path)}\n"
+  assert sorted(os.listdir(tmp_path)) == before
+  ok = tmp_path / "ok.png"
+  result = run_tool("tools.goodput", str(workdir), f"--plot={ok}",
+                    timeout=60)
+  assert result.returncode == 0, result.stderr
+  assert result.stdout.endswith(f"plot: {ok}\n")
+  assert ok.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("value, message", [
+    ("nan", "must be a number of seconds (0: the run's own flag), not nan"),
+    ("inf", "inf is not a number in the range [0.0, 1000000000.0]"),
+    ("-1", "-1.0 is not a number in the range [0.0, 1000000000.0]"),
+])
+def test_a_failure_interval_that_is_not_a_number_of_seconds_is_refused(
+    tmp_path, value, message):
+  """Refused when the flags are parsed (absl's line), not a traceback in
+  Young/Daly's arithmetic."""
+  result = run_tool("tools.goodput", str(_recorded_run(tmp_path)), "--plot=",
+                    f"--expected_failure_interval_s={value}", timeout=60)
+  assert result.returncode == 1
+  assert result.stdout == ""
+  assert result.stderr.splitlines()[0] == (
+      f"FATAL Flags parsing error: flag --expected_failure_interval_s="
+      f"{value}: {message}")
+  assert "Traceback" not in result.stderr
+
+
 def _attempt(started, t, pid):
   """A record's attempt of `t - started` productive seconds."""
   return {"started": started, "t": t, "pid": pid, "restored": 0, "step": 1,

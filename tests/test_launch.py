@@ -189,10 +189,36 @@ def test_ports_are_drawn_outside_the_ephemeral_range(tmp_path, monkeypatch):
   assert len(set(launch.free_ports(3))) == 3
 
 
-def test_workdir_is_read_from_the_command():
+def test_workdir_is_read_from_the_command(tmp_path):
   assert launch.workdir_of(["python", "--workdir=/r/a"]) == "/r/a"
   assert launch.workdir_of(["python", "--workdir", "/r/b"]) == "/r/b"
-  assert launch.workdir_of(["python", "--flagfile=x"]) is None
+  assert launch.workdir_of(["python", "--workdir=/r/a", "--workdir=/r/c"]
+                           ) == "/r/c"  # As absl: the last wins.
+  assert launch.workdir_of(["python", "--", "--workdir=/r/a"]) is None
+  # From a flagfile (a resume's WORKDIR/flags.txt), nested ones too.
+  (tmp_path / "flags.txt").write_text("# flags\n--workdir=/r/d\n--x=1\n")
+  (tmp_path / "outer.flags").write_text("--flagfile=flags.txt\n")
+  for flagfile in ("flags.txt", "outer.flags"):
+    assert launch.workdir_of(
+        ["python", "-m", "m", f"--flagfile={tmp_path / flagfile}"]) == "/r/d"
+  assert launch.workdir_of(["python", f"--flagfile={tmp_path / 'flags.txt'}",
+                            "--workdir=/r/e"]) == "/r/e"
+  # A FIFO is refused without being opened (that would block).
+  os.mkfifo(tmp_path / "fifo")
+  with pytest.raises(launch.LaunchError, match="is a FIFO"):
+    launch.workdir_of(["python", f"--flagfile={tmp_path / 'fifo'}"])
+  with pytest.raises(launch.LaunchError, match="cannot read --flagfile=x"):
+    launch.workdir_of(["python", "--flagfile=x"])
+
+
+def test_a_resume_from_flags_txt_logs_to_its_workdir(tmp_path):
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  (workdir / "flags.txt").write_text(f"--workdir={workdir}\n")
+  result = run_launch("--num_workers=1", "--", sys.executable, "-c", "pass",
+                      f"--flagfile={workdir / 'flags.txt'}", timeout=60)
+  assert result.returncode == 0, result.stdout + result.stderr
+  assert (workdir / "logs" / "worker-0.log").exists()
 
 
 def test_a_failing_task_stops_the_others_and_its_exit_code_propagates(
@@ -436,6 +462,15 @@ def _signals_kept():
      "--cpus_per_task=-1: use a number >= 0"),
     (["--preload=tensorflow,a-b"], "{python} -m m --workdir={dir}",
      "'a-b' is not a module name"),
+    (["--num_data_workers=-1"], "{python} --workdir={dir}",
+     "--num_data_workers=-1: use a number >= 0"),
+    (["--num_workers=1000000"], "{python} --workdir={dir}",
+     "1000000 tasks need about 2000064 open files, and this process may "
+     "open"),
+    ([], "{python} -c pass --workdir=", "--workdir is empty; name the run's "
+     "directory"),
+    ([], "{python} -c pass --flagfile={dir}/flags.txt",
+     "cannot read --flagfile={dir}/flags.txt: No such file or directory"),
 ])
 def test_bad_input_is_one_line_and_starts_nothing(
     launcher_args, command, message, tmp_path, capsys, signals_kept):
@@ -453,6 +488,139 @@ def test_bad_input_is_one_line_and_starts_nothing(
   assert err.startswith("error: ") and message.format(**values) in err, err
   assert not out  # Not one task was started.
   assert not (tmp_path / "run").exists()
+
+
+def test_an_empty_workdir_creates_nothing_here(tmp_path, monkeypatch,
+                                               signals_kept):
+  del signals_kept
+  monkeypatch.chdir(tmp_path)
+  assert launch.main(["--num_workers=1", "--", sys.executable, "-c", "pass",
+                      "--workdir="]) == 2
+  assert not os.listdir(tmp_path)
+
+
+def test_too_many_ports_is_an_error_naming_the_fix():
+  """Past the open-file limit, free_ports says so instead of failing with
+  an OSError."""
+  result = subprocess.run(
+      [sys.executable, "-c",
+       "import resource\n"
+       "resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit("
+       "resource.RLIMIT_NOFILE)[1]))\n"
+       "from tools.local_cluster import free_ports\n"
+       "try:\n  free_ports(100)\nexcept ValueError as e:\n  print(e)\n"],
+      cwd=REPO, capture_output=True, text=True, timeout=60)
+  assert result.returncode == 0, result.stderr
+  assert result.stdout.startswith("cannot reserve 100 free localhost ports "
+                                  "(Too many open files after "), result.stdout
+  assert result.stdout.rstrip().endswith(
+      "use fewer tasks or raise the open-file limit (ulimit -n)")
+
+
+def test_a_live_run_s_workdir_is_refused_before_anything_is_written(
+    tmp_path, capsys, signals_kept):
+  """The lock of a live run (here this process's) refuses a second launch
+  before it writes its logs or record into the run's logs."""
+  from dist_loop.runtime import lock  # pylint: disable=g-import-not-at-top
+  del signals_kept
+  workdir = tmp_path / "run"
+  logs = workdir / "logs"
+  logs.mkdir(parents=True)
+  (logs / "worker-0.log").write_text("the live run's log\n")
+  (logs / launch_record.FILE_NAME).write_text('{"event": "start"}\n')
+  before = {p.name: p.read_text() for p in logs.iterdir()}
+  for name in ("lock", "lock.worker-1"):
+    with lock.Lock(str(workdir), name):
+      assert launch.main(["--num_workers=2", "--", sys.executable, "-c",
+                          "pass", f"--workdir={workdir}"]) == 2
+      out, err = capsys.readouterr()
+      assert err == (f"error: --workdir={workdir} is in use by another run "
+                     f"(pid {os.getpid()}, lock {workdir / name}); wait for "
+                     "it to end, stop it, or use another --workdir\n")
+      assert not out
+      assert {p.name: p.read_text() for p in logs.iterdir()} == before
+  # Free again: the launch runs, and appends to the record.
+  assert launch.main(["--num_workers=1", "--", sys.executable, "-c", "pass",
+                      f"--workdir={workdir}"]) == 0
+  record = (logs / launch_record.FILE_NAME).read_text()
+  assert record.startswith(before[launch_record.FILE_NAME]) and (
+      record != before[launch_record.FILE_NAME])
+
+
+# A command that refuses its flags, as absl ends one, writing nothing.
+REFUSES_ITS_FLAGS = """
+print("FATAL Flags parsing error: Unknown command line flag 'stepz'")
+raise SystemExit(1)
+"""
+
+
+def test_a_command_that_refuses_its_flags_leaves_no_new_workdir(tmp_path,
+                                                                tasks):
+  workdir = tmp_path / "new" / "run"
+  result = run_launch("--num_workers=2", *tasks(REFUSES_ITS_FLAGS),
+                      f"--workdir={workdir}", timeout=60)
+  assert result.returncode == 1, result.stdout
+  assert "failed (exit code 1); last lines of" in result.stdout
+  assert (f"[launch] the command refused its flags before writing "
+          f"anything; removed {tmp_path / 'new'}, which this launch created "
+          "for its logs") in result.stdout
+  assert not (tmp_path / "new").exists()
+  # A workdir that existed is left as it was; a log directory that existed
+  # (an earlier run's) keeps what this one appended.
+  workdir.mkdir(parents=True)
+  for expected in ([], ["logs"]):
+    result = run_launch("--num_workers=1", *tasks(REFUSES_ITS_FLAGS),
+                        f"--workdir={workdir}", timeout=60)
+    assert result.returncode == 1, result.stdout
+    assert os.listdir(workdir) == expected
+    assert ("removed" in result.stdout) == (not expected), result.stdout
+    (workdir / "logs").mkdir(exist_ok=True)
+  assert "FATAL Flags" in (workdir / "logs" / "worker-0.log").read_text()
+
+
+def _children(pid):
+  """The PIDs and command lines of the processes whose parent is `pid`."""
+  found = {}
+  for entry in os.listdir("/proc"):
+    try:
+      with open(f"/proc/{entry}/stat", encoding="ascii") as f:
+        ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+      with open(f"/proc/{entry}/cmdline", "rb") as f:
+        cmdline = f.read().decode(errors="replace").split("\0")
+    except (OSError, ValueError, IndexError):
+      continue
+    if ppid == pid:
+      found[int(entry)] = cmdline
+  return found
+
+
+def test_a_killed_launcher_leaves_no_data_service(tmp_path):
+  launcher = subprocess.Popen(
+      [sys.executable, "-m", "tools.launch", "--num_workers=1",
+       "--num_data_workers=1", f"--log_dir={tmp_path / 'logs'}",
+       "--timeout_s=50", "--", sys.executable, "-c",
+       "import time; time.sleep(60)"], cwd=REPO, stdout=subprocess.DEVNULL,
+      stderr=subprocess.STDOUT)
+  pids = []
+  try:
+    deadline = time.monotonic() + 30
+    while not pids:
+      assert launcher.poll() is None and time.monotonic() < deadline
+      pids = [pid for pid, cmdline in _children(launcher.pid).items()
+              if "tools.data_service" in cmdline]
+      time.sleep(0.1)
+    launcher.kill()
+    launcher.wait(timeout=10)
+    deadline = time.monotonic() + 20
+    while any(map(_running, pids)):
+      assert time.monotonic() < deadline, "the data service outlived it"
+      time.sleep(0.1)
+  finally:
+    if launcher.poll() is None:
+      launcher.kill()
+      launcher.wait(timeout=10)
+    for pid in filter(_running, pids):
+      os.kill(pid, signal.SIGKILL)
 
 
 def test_no_command_is_one_line_without_a_traceback():
@@ -837,8 +1005,8 @@ def test_a_fork_server_that_dies_takes_its_tasks_and_a_restart_replaces_it(
       launcher.kill()
       launcher.wait(timeout=10)
   assert launcher.returncode == 0, out
-  assert re.search(r"\[launch\] worker:\d failed \(killed by signal 9\); "
-                   "restart 1 of 1", out), out
+  assert re.search(r"\[launch\] worker:\d failed \(killed by signal 9: "
+                   r"the fork server died\); restart 1 of 1", out), out
   assert ("[launch] the fork server ended (killed by signal 9; log "
           f"{workdir / 'logs' / 'fork_server.log'}); starting a new one"
           ) in out

@@ -60,3 +60,62 @@ def test_verify_reads_every_checksum_that_a_run_reads_only_on_request(
   assert shards.load(out, 0).train_x.shape[0] > 0  # Not read by default.
   with pytest.raises(UserError, match="does not match the manifest's SHA"):
     shards.load(out, 0, options=shards.ShardsOptions(verify_checksums=True))
+
+
+def _bad_inputs(tmp_path):
+  """A FIFO, a regular file and a directory next to each other."""
+  os.mkfifo(tmp_path / "fifo")
+  (tmp_path / "file").write_text("x")
+  (tmp_path / "dir").mkdir()
+  return str(tmp_path)
+
+
+@pytest.mark.parametrize("args, line", [
+    (["--dataset=npz", "--npz={t}/fifo", "--out={t}/o"],
+     "error: --npz={t}/fifo is not a regular file (a device, a pipe or a "
+     "socket); pass an .npz file"),
+    (["--dataset=npz", "--npz={t}/dir", "--out={t}/o"],
+     "error: --npz={t}/dir is a directory; pass an .npz file"),
+    (["--dataset=digits", "--out={t}/file/a/s"],
+     "error: --out={t}/file/a/s: {t}/file is not a directory; give a path "
+     "under a directory"),
+    (["--dataset=digits", "--out=/proc/no_such_process/s"],
+     "error: --out=/proc/no_such_process/s cannot be written (No such file "
+     "or directory); give a directory you can write to"),
+    (["--verify={t}/dir"], "error: --verify={t}/dir holds no manifest.json; "
+     "pass a directory written by tools.make_shards"),
+    (["--verify={t}/file"], "error: --verify={t}/file is not a directory; "
+     "pass a directory written by tools.make_shards"),
+    (["--verify={t}/none"], "error: --verify={t}/none does not exist; pass a "
+     "directory written by tools.make_shards"),
+])
+def test_bad_paths_are_one_line_naming_the_flag_and_write_nothing(
+    tmp_path, args, line):
+  t = _bad_inputs(tmp_path)
+  result = run_tool("tools.make_shards", *[a.format(t=t) for a in args],
+                    timeout=120)
+  assert result.returncode == 2
+  assert result.stderr.strip().splitlines() == [line.format(t=t)]
+  assert sorted(os.listdir(tmp_path)) == ["dir", "fifo", "file"]
+
+
+def test_verify_refuses_a_pipe_in_place_of_the_manifest_or_a_shard(tmp_path):
+  out = str(tmp_path / "digits")
+  shard_writer.write(data.DATASETS.get("digits")(None, 0, None), "tfrecord",
+                     1, out, 0, {"dataset": "digits"})
+  path = os.path.join(out, shard_format.file_name("eval", 0, 1, "tfrecord"))
+  os.remove(path)
+  os.mkfifo(path)
+  shard = run_tool("tools.make_shards", f"--verify={out}", timeout=120)
+  assert shard.returncode == 2
+  assert shard.stderr.strip().splitlines() == [
+      f"error: {path} is not a regular file (a device, a pipe or a socket); "
+      "make the shards again with tools.make_shards"]
+  manifest = os.path.join(out, shard_format.MANIFEST)
+  os.remove(manifest)
+  os.mkfifo(manifest)
+  listed = run_tool("tools.make_shards", f"--verify={out}", timeout=120)
+  assert listed.returncode == 2
+  assert listed.stderr.strip().splitlines() == [
+      f"error: {manifest} is not a regular file (a device, a pipe or a "
+      "socket); make the shards again with tools.make_shards"]

@@ -5,7 +5,9 @@ nvidia-smi (a CPU node) or with a stub that lists GPUs.
 """
 
 import os
+import resource
 import stat
+import time
 
 import pytest
 
@@ -94,6 +96,19 @@ def test_a_single_task_or_no_step_is_one_process(in_step, changes):
      "step"),
     (dict(SLURM_JOB_ID="abc"), "SLURM_JOB_ID='abc' is not a number"),
     (dict(SLURM_PROCID="-1"), "SLURM_PROCID='-1' is not a number"),
+    # Past SLURM's 32 bits; of thousands of digits, which Python will not
+    # convert; a digit that is not a decimal one.
+    (dict(SLURM_STEP_NUM_TASKS="4294967296"), "SLURM_STEP_NUM_TASKS="
+     "'4294967296' is not a number from 0 to 4294967295"),
+    (dict(SLURM_JOB_ID="9" * 5000), "is not a number from 0 to 4294967295"),
+    (dict(SLURM_PROCID="\u00b2"), "SLURM_PROCID='\u00b2' is not a number"),
+    (dict(SLURM_STEP_TASKS_PER_NODE="2,1(x" + "9" * 5000 + ")"),
+     "is not a list of task counts like 2(x3),1"),
+    (dict(SLURM_STEP_NODELIST="n[1-" + "9" * 5000 + "]"), "has the range"),
+    (dict(SLURM_STEP_NODELIST="n" + "[0-9]" * 2000), "gives 2 nodes, but "
+     "SLURM_STEP_NODELIST lists over 18446744073709551615"),
+    (dict(CUDA_VISIBLE_DEVICES="0,1", SLURM_GPUS_PER_TASK="9" * 5000),
+     "is not a GPU count"),
     (dict(CUDA_VISIBLE_DEVICES="0,1,2", SLURM_GPUS_PER_TASK="2"),
      "this task sees 3 GPUs (0,1,2), fewer than its node's 2 tasks of 2"),
 ])
@@ -103,6 +118,34 @@ def test_a_bad_slurm_environment_is_one_line(in_step, changes, message):
     cluster.current()
   assert message in str(error.value) and "\n" not in str(error.value)
   assert "start every task with srun, or set TF_CONFIG" in str(error.value)
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(SLURM_STEP_NODELIST="n[0-99999999]", SLURM_STEP_TASKS_PER_NODE="1"),
+     "SLURM_STEP_TASKS_PER_NODE='1' gives 1 nodes, but SLURM_STEP_NODELIST "
+     "lists 100000000"),
+    (dict(SLURM_STEP_TASKS_PER_NODE="1(x999999999)"),
+     "SLURM_STEP_TASKS_PER_NODE='1(x999999999)' gives 999999999 nodes, but "
+     "SLURM_STEP_NODELIST lists 2"),
+    (dict(SLURM_STEP_NODELIST="n[0-99999999],m", SLURM_STEP_TASKS_PER_NODE=
+          "1(x99999999),1(x2)"), "SLURM_STEP_NUM_TASKS=2, but "
+     "SLURM_STEP_TASKS_PER_NODE='1(x99999999),1(x2)' places 100000001 tasks"),
+])
+def test_a_huge_list_is_refused_before_it_is_expanded(in_step, changes,
+                                                      message):
+  """Lists that name 10**8 or 10**9 nodes, for a step of 2 tasks: counted,
+  not expanded (which took a minute and gigabytes)."""
+  in_step(SLURM_STEP_NUM_TASKS="2", SLURM_PROCID="0", **changes)
+  slurm._resolved.clear()  # pylint: disable=protected-access
+  peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+  start = time.monotonic()
+  with pytest.raises(UserError) as error:
+    cluster.current()
+  assert time.monotonic() - start < 10
+  # The process's peak memory grew by less than 100 MB (10**8 host names
+  # take gigabytes).
+  assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss < peak_kb + 100_000
+  assert message in str(error.value) and "\n" not in str(error.value)
 
 
 def _nvidia_smi(bin_dir, monkeypatch, script):

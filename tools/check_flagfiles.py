@@ -14,9 +14,11 @@ What it checks and the last results: docs/flagfiles.md. Why it works so:
   fresh directory, so what a setup command writes (`--out=runs/...`) is
   where the run's flagfile looks for it, and nothing lands in the
   repository.
-* Each run gets a fresh workdir under `--root` (this tool's own, removed
-  first): the same workdir again would resume the finished run and train
-  nothing.
+* Each run gets a fresh directory `--root/NAME` for its workdir and logs:
+  the same workdir again would resume the finished run and train nothing.
+  Only a directory this tool made (with a `.check_flagfiles` marker) is
+  removed first; any other there, unless empty, is refused before anything
+  runs, so `--root=runs` cannot delete a training run's workdir.
 * Each run is a process group bounded by `--timeout_s`, then SIGTERM, then
   SIGKILL: a launcher's tasks go with it, and a hung run is a broken
   promise, not a hung check.
@@ -30,11 +32,13 @@ import argparse
 import dataclasses
 import datetime
 import json
+import math
 import os
 import re
 import shlex
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -46,6 +50,7 @@ _PROMISE = re.compile(
     r"^#\s*promise:\s*(?P<key>[A-Za-z0-9_/]+)\s*(?P<op>>=|<=)\s*"
     r"(?P<value>[-+0-9.eE]+)\s+at\s+step\s+(?P<step>\d+)\s*$")
 _KILL_GRACE_S = 30.0
+MARKER = ".check_flagfiles"  # In each run's directory: this tool made it.
 
 
 class InputError(Exception):
@@ -199,21 +204,29 @@ def check(header: Header, root: str, timeout_s: float,
   its promises."""
   name = _name(header.path)
   place = os.path.abspath(os.path.join(root, name))
-  shutil.rmtree(place, ignore_errors=True)  # This tool's own: a fresh run.
-  os.makedirs(place)
+  if place_problem(place):
+    raise InputError(place_problem(place))
+  try:
+    shutil.rmtree(place, ignore_errors=True)  # This tool's own: a fresh run.
+    os.makedirs(place)
+    with open(os.path.join(place, MARKER), "w", encoding="utf-8") as f:
+      f.write("Made by tools.check_flagfiles, which replaces it each run.\n")
+  except OSError as e:  # No room, no permission.
+    raise InputError(f"{place} cannot be made ({e.strerror or e}); pass a "
+                     "--root you can write to") from None
   workdir = os.path.join(place, "workdir")
   start = time.monotonic()
   failure = None
   for i, command in enumerate(header.setup):
     failure = runner(prepared(command, None),
-                     os.path.join(root, f"{name}.setup{i}.log"), timeout_s,
+                     os.path.join(place, f"{name}.setup{i}.log"), timeout_s,
                      cwd=place)
     if failure is not None:
       failure = f"setup {' '.join(command[:3])}: {failure}"
       break
   if failure is None:
     failure = runner(prepared(header.command, workdir),
-                     os.path.join(root, f"{name}.log"), timeout_s, cwd=place)
+                     os.path.join(place, f"{name}.log"), timeout_s, cwd=place)
   result = Result(name, header.promises, [],
                   seconds=time.monotonic() - start)
   if failure is not None:
@@ -233,6 +246,55 @@ def check(header: Header, root: str, timeout_s: float,
     if reason is not None:
       result.broken.append(f"{promise}: {reason}")
   return result
+
+
+def place_problem(place: str) -> Optional[str]:
+  """Why `check` may not replace `place`, or None: it removes only what it
+  made, a directory with its marker, and uses an empty one."""
+  if not os.path.lexists(place):
+    return None
+  fix = "move it away, or pass another --root"
+  if os.path.islink(place) or not os.path.isdir(place):
+    return f"{place} exists and is not a directory; {fix}"
+  if os.path.isfile(os.path.join(place, MARKER)) or not os.listdir(place):
+    return None
+  return (f"{place} is not empty and was not made by this check (it has no "
+          f"{MARKER}); {fix}")
+
+
+def args_problem(args: argparse.Namespace) -> Optional[str]:
+  """Why the flags cannot make a run, or None: checked before anything
+  runs, and before a page or a pipe is opened (opening a pipe waits)."""
+  if not (math.isfinite(args.timeout_s) and args.timeout_s > 0):
+    return (f"--timeout_s={args.timeout_s:g} is not a positive number of "
+            "seconds; pass one such as 1800")
+  return _root_problem(args.root) or (
+      _record_problem(args.record) if args.record else None)
+
+
+def _root_problem(root: str) -> Optional[str]:
+  above = os.path.abspath(root)  # Or the nearest that exists.
+  while not os.path.lexists(above):
+    above = os.path.dirname(above)
+  if os.path.isdir(above):
+    return None
+  what = "" if above == os.path.abspath(root) else f": {above}"
+  return (f"--root={root}{what} is not a directory; pass a directory, or a "
+          "new path under one")
+
+
+def _record_problem(page: str) -> Optional[str]:
+  fix = f"pass a page with a '{RESULTS_HEADING}' heading"
+  try:
+    mode = os.stat(page).st_mode
+  except OSError as e:
+    return f"--record={page} cannot be read ({e.strerror}); {fix}"
+  if stat.S_ISDIR(mode):
+    return f"--record={page} is a directory; {fix}"
+  if not stat.S_ISREG(mode):
+    return (f"--record={page} is not a regular file (a device, a pipe or a "
+            f"socket); {fix}")
+  return None
 
 
 def _name(path: str) -> str:
@@ -310,18 +372,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       help="How the record describes the machine.")
   args = parser.parse_args(argv)
   try:
+    problem = args_problem(args)
+    if problem:
+      raise InputError(problem)
     headers = [read_header(p) for p in
                flagfiles([n for n in args.only.split(",") if n])]
     if args.record:  # Refused before hours of training, not after.
       _results_section(args.record)
+    runnable = [h for h in headers if h.command is not None]  # base: nested.
+    for h in runnable:  # Refused before the first run, not after it.
+      problem = place_problem(os.path.abspath(os.path.join(args.root,
+                                                           _name(h.path))))
+      if problem:
+        raise InputError(problem)
   except (InputError, OSError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  runnable = [h for h in headers if h.command is not None]  # base: nested.
   results = []
   for i, header in enumerate(runnable):
     print(f"[check_flagfiles] {os.path.basename(header.path)} ...", flush=True)
-    results.append(check(header, args.root, args.timeout_s))
+    try:
+      results.append(check(header, args.root, args.timeout_s))
+    except InputError as e:  # The place cannot be made, or is not ours now.
+      print(f"error: {e}", file=sys.stderr)
+      return 2
     print(table(results[-1:]).splitlines()[-1], flush=True)
     if args.record:  # After each run: a stopped check keeps what it found.
       record(args.record, results, _now(), args.machine, runnable[i + 1:])

@@ -14,9 +14,10 @@ so `tensorboard --logdir runs/` shows it in the Images tab beside the runs.
 
 A run that diverged (exit code 3; summary.json's `diverged`) is marked
 "(diverged)" in the table, with its reason on a line below it. A
-summary.json that is not what a run writes, or an output path in a
-directory that does not exist, is one `error:` line and exit code 1,
-before any output.
+summary.json that is not what a run writes, or an output that cannot be
+written (a --plot or --json that is a directory or a FIFO, a --plot not
+ending in .png, a missing directory, a --logdir that is not a directory),
+is one `error:` line and exit code 1, before any output.
 
 The terminal shows the tool's own lines only; `--verbosity=1` adds
 TensorFlow's warnings, `--verbosity=2` everything
@@ -25,13 +26,15 @@ TensorFlow's warnings, `--verbosity=2` everything
 
 import json
 import os
+import stat
 import sys
 from typing import Dict, List
 
 from absl import app, flags
 
-from dist_loop.runtime import console
+from dist_loop.runtime import console, files
 from experiments import startup
+from tools import goodput
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("plot", "compare.png", "Where the PNG plot goes ('' for "
@@ -58,6 +61,9 @@ def load_run(workdir: str) -> Dict:
     RunError: no summary.json, or one that is not what a run writes.
   """
   path = os.path.join(workdir, "summary.json")
+  if os.path.exists(path) and not os.path.isfile(path):
+    raise RunError(f"{path} is {goodput.file_kind(os.stat(path).st_mode)}, "
+                   "not a run's summary; move it aside or leave that run out")
   if not os.path.isfile(path):
     raise RunError(f"{workdir} has no summary.json: is it a finished "
                    "dist_loop run?")
@@ -93,6 +99,10 @@ def read_curves(logdir: str) -> Dict[str, List]:
   `train/loss` is tag `loss` of the run LOGDIR/train (`eval/...` of
   LOGDIR/eval); workdirs written before those runs existed keep the names
   as tags of LOGDIR itself.
+
+  Raises:
+    RunError: an event file that is not a regular file (reading a FIFO
+      would block forever).
   """
   from tensorboard.backend.event_processing import event_accumulator as ea  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
@@ -101,6 +111,9 @@ def read_curves(logdir: str) -> Dict[str, List]:
     path = os.path.join(logdir, run)
     if not os.path.isdir(path):
       continue
+    for name in os.listdir(path):
+      if "tfevents" in name:
+        _check_event_file(os.path.join(path, name))
     acc = ea.EventAccumulator(path, size_guidance={ea.TENSORS: 0})
     acc.Reload()
     for tag in acc.Tags().get("tensors", []):
@@ -109,6 +122,19 @@ def read_curves(logdir: str) -> Dict[str, List]:
             (e.wall_time, e.step, float(tf.make_ndarray(e.tensor_proto)))
             for e in acc.Tensors(tag)]
   return out
+
+
+def _check_event_file(path: str) -> None:
+  """Refuses an event file that is not a regular file, before TensorBoard's
+  reader opens it. Raises RunError."""
+  fix = "move it aside or leave that run out"
+  try:
+    mode = os.stat(path).st_mode
+  except OSError as e:
+    raise RunError(f"cannot read {path} ({e.strerror}); {fix}") from None
+  if not stat.S_ISREG(mode):
+    raise RunError(f"{path} is {goodput.file_kind(mode)}, not an event "
+                   f"file; {fix}")
 
 
 def table(runs: List[Dict]) -> str:
@@ -137,22 +163,41 @@ def notes(runs: List[Dict]) -> List[str]:
           if r["summary"].get("diverged")]
 
 
-def check_outputs() -> None:
-  """Refuses an output path whose directory does not exist or cannot be
-  written, before any work. Raises RunError."""
-  for name in ("plot", "json"):
+def check_outputs(workdirs: List[str]) -> None:
+  """Refuses an output that cannot be written, or that would replace a
+  run's summary.json, before any work. Raises RunError."""
+  for name, suffix in (("plot", ".png"), ("json", "")):
     path = FLAGS[name].value
     if not path:
       continue
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-      raise RunError(f"--{name}={path}: the directory {directory} does not "
-                     "exist; create it or choose another path")
-    if not os.access(directory, os.W_OK):
-      raise RunError(f"--{name}={path}: the directory {directory} is not "
-                     "writable; choose another path")
-    if os.path.isdir(path):
-      raise RunError(f"--{name}={path} is a directory; name a file")
+    problem = goodput.output_problem(name, path, suffix)
+    if problem:
+      raise RunError(problem)
+    for workdir in workdirs:
+      summary = os.path.join(workdir, "summary.json")
+      if (os.path.isfile(path) and os.path.isfile(summary)
+          and os.path.samefile(path, summary)):
+        raise RunError(f"--{name}={path} is {workdir}'s summary.json, which "
+                       "it reads; choose another path")
+  if FLAGS["logdir"].value:
+    _check_logdir(FLAGS["logdir"].value)
+
+
+def _check_logdir(logdir: str) -> None:
+  """Refuses a --logdir that is not a writable directory, or one that
+  cannot be made (TensorFlow makes the missing ones)."""
+  named = f"--logdir={logdir}"
+  existing = os.path.abspath(logdir)
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  mode = os.stat(existing).st_mode
+  where = "" if existing == os.path.abspath(logdir) else f": {existing}"
+  if not stat.S_ISDIR(mode):
+    raise RunError(f"{named}{where} is {goodput.file_kind(mode)}, not a "
+                   "directory; name a directory (a missing one is made)")
+  if goodput.unwritable(existing):
+    raise RunError(f"{named}: the directory {existing} is not writable "
+                   f"({goodput.unwritable(existing)}); choose another path")
 
 
 def figure(runs: List[Dict]):
@@ -227,8 +272,9 @@ def main(argv):
     raise app.UsageError("give one or more run workdirs")
   startup.start(verbosity())  # Imports TensorFlow, quietly.
   console.setup(verbosity())
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
   try:
-    check_outputs()
+    check_outputs(workdirs)
     runs = [load_run(w) for w in workdirs]
   except RunError as e:
     print(f"error: {e}", file=sys.stderr)
@@ -250,6 +296,10 @@ def main(argv):
   except OSError as e:
     print(f"error: cannot write {e.filename or 'an output'}: "
           f"{e.strerror or e}", file=sys.stderr)
+    return 1
+  except tf.errors.OpError as e:  # The event file of --logdir.
+    print(f"error: cannot write --logdir={FLAGS.logdir}: {files.reason(e)}",
+          file=sys.stderr)
     return 1
   return 0
 

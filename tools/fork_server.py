@@ -62,10 +62,10 @@ launcher's record has it (`fork_server`, `launch_record.py`).
 not import, no answer within READY_TIMEOUT_S) raises `ForkServerError`;
 the launcher says so in one line and starts its tasks as new processes. A
 server that dies takes its tasks with it (their PR_SET_PDEATHSIG): each is
-reported killed by SIGKILL, and a restart starts a new server. The server
-ends when the launcher closes its socket or dies (its own
-PR_SET_PDEATHSIG), its tasks with it. Every wait here is bounded. This
-file imports TensorFlow only in the server.
+reported killed by SIGKILL as the server died (`server_died`), and a
+restart starts a new server. The server ends when the launcher closes its
+socket or dies (its own PR_SET_PDEATHSIG), its tasks with it. Every wait
+here is bounded. This file imports TensorFlow only in the server.
 """
 
 import argparse
@@ -132,6 +132,7 @@ class ForkedProcess:
     self.pid: Optional[int] = None
     self.returncode: Optional[int] = None
     self.error: Optional[str] = None  # Why the server could not fork it.
+    self.server_died = False  # It ended because the server did.
     self._times: Tuple[float, float] = (0.0, 0.0)
     self._answered = threading.Event()
     self._exited = threading.Event()
@@ -323,6 +324,7 @@ class ForkServer:
         process._answered.set()  # pylint: disable=protected-access
       # Killed by the kernel as the server went (PR_SET_PDEATHSIG).
       for process in self._tasks.values():
+        process.server_died = True
         process._ended(-signal.SIGKILL, time.monotonic(), time.time())  # pylint: disable=protected-access
       self._pending.clear()
       self._tasks.clear()

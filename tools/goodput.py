@@ -18,11 +18,17 @@ of a save and the mean time between failures (the flag, else the run's
 checkpoint interval that maximises goodput, sqrt(2 x cost x MTBF), and what
 the run's own interval costs against it. The PNG shows each attempt's time
 by phase, across all runs. A missing workdir, one without records, or a
-corrupt record (goodput's or the launcher's) is one line and exit code 2.
+corrupt record (goodput's or the launcher's), a record that is not a
+regular file (a FIFO would block the read forever), or a --plot that cannot
+be written (a directory, a name not ending in .png, a missing directory) is
+one line and exit code 2, the --plot checked before anything is read.
 """
 
+import math
 import os
+import stat
 import sys
+import tempfile
 from typing import Dict, List, Optional, Sequence
 
 from absl import app, flags
@@ -40,14 +46,80 @@ def define_flags() -> None:
   flags.DEFINE_float("expected_failure_interval_s", 0.0, "Mean seconds "
                      "between failures for the best interval; 0: the run's "
                      "own flag, else the failures its records show.",
-                     lower_bound=0.0)
+                     lower_bound=0.0, upper_bound=1e9)  # As the run's flag.
+  flags.register_validator(
+      "expected_failure_interval_s", math.isfinite,
+      "must be a number of seconds (0: the run's own flag), not nan")
 
 COLUMNS = (*goodput.PHASES, "downtime")
 RESTART_COLUMNS = (*launch_record.PARTS, "downtime")
 
 
+_KINDS = ((stat.S_ISREG, "a file"), (stat.S_ISDIR, "a directory"),
+          (stat.S_ISFIFO, "a FIFO (pipe)"),
+          (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
 class BadInput(Exception):
   """A workdir this tool cannot read."""
+
+
+def file_kind(mode: int) -> str:
+  """What a file of `os.stat` mode `mode` is: "a FIFO (pipe)", ..."""
+  return next((what for test, what in _KINDS if test(mode)), "a special file")
+
+
+def output_problem(flag: str, path: str, suffix: str = "") -> Optional[str]:
+  """Why `--flag=path` cannot be written, or None; checked before any work,
+  and before the path is opened (opening a FIFO blocks). Also tools.compare's.
+
+  Args:
+    flag: the flag's name, for the message.
+    path: a new file or a regular file to replace, in an existing, writable
+      directory.
+    suffix: the ending the name needs, if any (".png": matplotlib would add
+      it to a name without one, and write another file than the one named).
+  """
+  named = f"--{flag}={path}"
+  if os.path.exists(path):
+    mode = os.stat(path).st_mode
+    if not stat.S_ISREG(mode):
+      return f"{named} is {file_kind(mode)}; name a file"
+  directory = os.path.dirname(os.path.abspath(path))
+  if not os.path.isdir(directory):
+    if os.path.exists(directory):
+      return (f"{named}: {directory} is {file_kind(os.stat(directory).st_mode)}"
+              ", not a directory; choose another path")
+    return (f"{named}: the directory {directory} does not exist; create it or "
+            "choose another path")
+  if unwritable(directory):
+    return (f"{named}: the directory {directory} is not writable "
+            f"({unwritable(directory)}); choose another path")
+  if suffix and not path.lower().endswith(suffix):
+    return f"{named} does not end in {suffix}; name a {suffix} file"
+  return None
+
+
+def unwritable(directory: str) -> str:
+  """Why no file can be made in `directory`, or "": tried with a nameless
+  temporary file (`os.access` says yes to root, and on /proc)."""
+  try:
+    with tempfile.TemporaryFile(dir=directory):
+      return ""
+  except OSError as e:
+    return e.strerror or str(e)
+
+
+def _check_record(path: str, fix: str) -> None:
+  """Refuses a record that is not a regular file, before it is opened: a
+  FIFO would block the read forever, a device never end it."""
+  try:
+    mode = os.stat(path).st_mode
+  except OSError as e:
+    raise BadInput(f"cannot read {path} ({e.strerror})") from None
+  if not stat.S_ISREG(mode):
+    raise BadInput(f"{path} is {file_kind(mode)}, not a record; {fix}")
 
 
 def load(workdir: str) -> Dict[str, List[Dict]]:
@@ -58,6 +130,8 @@ def load(workdir: str) -> Dict[str, List[Dict]]:
                  if n.startswith("goodput.") and n.endswith(".jsonl"))
   records = {}
   for name in names:
+    _check_record(os.path.join(workdir, name),
+                  "move it aside to read the others")
     try:
       attempts = goodput.read(os.path.join(workdir, name))
     except goodput.CorruptRecord as e:
@@ -78,6 +152,7 @@ def load_launches(workdir: str) -> List[Dict]:
   path = launch_record.path(workdir)
   if not os.path.exists(path):
     return []
+  _check_record(path, "move it aside to read the goodput records without it")
   try:
     return launch_record.read(path)
   except launch_record.CorruptRecord as e:
@@ -228,6 +303,10 @@ def main(argv) -> Optional[int]:
     print("error: give one or more run workdirs: python -m tools.goodput "
           "WORKDIR", file=sys.stderr)
     return 2
+  problem = FLAGS.plot and output_problem("plot", FLAGS.plot, ".png")
+  if problem:
+    print(f"error: {problem}", file=sys.stderr)
+    return 2
   try:
     loaded = {w: (load(w), load_launches(w)) for w in workdirs}
   except BadInput as e:
@@ -248,7 +327,12 @@ def main(argv) -> Optional[int]:
     print(young_daly(main_attempts, FLAGS.expected_failure_interval_s))
     print()
   if FLAGS.plot:
-    plot(runs, FLAGS.plot)
+    try:
+      plot(runs, FLAGS.plot)
+    except OSError as e:  # Checked first; the directory may still refuse it.
+      print(f"error: cannot write {FLAGS.plot}: {e.strerror or e}",
+            file=sys.stderr)
+      return 2
     print(f"plot: {FLAGS.plot}")
   return 0
 

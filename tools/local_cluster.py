@@ -5,8 +5,10 @@ processes (`Task`). This file does not import TensorFlow."""
 
 import collections
 import ctypes
+import errno
 import os
 import random
+import resource
 import signal
 import socket
 import subprocess
@@ -16,6 +18,11 @@ from typing import Dict, List, Optional, Sequence
 
 TAIL_LINES = 25
 _PR_SET_PDEATHSIG = 1
+
+# What the launcher holds open per running task (its output pipe and its
+# log), and for itself (its imports, the record, the fork server's socket).
+FILES_PER_TASK = 2
+OWN_FILES = 64
 
 _EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
 _LOWEST_PORT = 20000  # Below it, well-known services are more common.
@@ -42,6 +49,10 @@ def free_ports(n: int) -> List[int]:
   or above it), where the kernel never puts an outgoing connection. Only
   if no such port is free, or the range is unknown (not Linux), does the
   kernel pick.
+
+  Raises:
+    ValueError: n ports cannot be held open together (too few free ports,
+      or more than the open-file limit); the message names the fix.
   """
   ephemeral = _ephemeral_ports()
   candidates: List[int] = []
@@ -64,13 +75,30 @@ def free_ports(n: int) -> List[int]:
       ports.append(port)
     while len(ports) < n:
       s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-      s.bind(("localhost", 0))
       sockets.append(s)
+      s.bind(("localhost", 0))
       ports.append(s.getsockname()[1])
     return ports
+  except OSError as e:
+    fix = (" or raise the open-file limit (ulimit -n)"
+           if e.errno == errno.EMFILE else "")
+    raise ValueError(f"cannot reserve {n} free localhost ports "
+                     f"({e.strerror} after {len(ports)}); use fewer "
+                     f"tasks{fix}") from None
   finally:
     for s in sockets:
       s.close()
+
+
+def check_open_files(num_tasks: int) -> None:
+  """Raises ValueError if `num_tasks` tasks need more open files than this
+  process may have (RLIMIT_NOFILE)."""
+  limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+  needed = num_tasks * FILES_PER_TASK + OWN_FILES
+  if limit != resource.RLIM_INFINITY and needed > limit:
+    raise ValueError(f"{num_tasks} tasks need about {needed} open files, "
+                     f"and this process may open {limit}; use fewer tasks, "
+                     "or raise the limit (ulimit -n)")
 
 
 def cluster_spec(num_workers: int, num_ps: int,

@@ -21,8 +21,8 @@ from typing import Dict, Optional, Sequence
 from dist_loop.runtime import console, files
 from tools.fork_server import (READY_TIMEOUT_S, ForkServer, ForkServerError,
                                module_command)
-from tools.local_cluster import (Task, available_cpus, cluster_spec,
-                                 cpu_sets, wait_for_ports)
+from tools.local_cluster import (Task, available_cpus, check_open_files,
+                                 cluster_spec, cpu_sets, wait_for_ports)
 
 STOP_GRACE_S = 10.0  # SIGTERM, then SIGKILL after this.
 # Exit codes a restart cannot change: a run that ended diverged (3,
@@ -85,7 +85,11 @@ class Launcher:
         raise LaunchError(f"--{name}={value}: use a number >= {low}")
     self.command = list(command)
     self.num_workers, self.num_ps = num_workers, num_ps
-    self.spec = cluster_spec(num_workers, num_ps)
+    try:
+      check_open_files(num_workers + num_ps + (1 if num_ps else 0))
+      self.spec = cluster_spec(num_workers, num_ps)
+    except ValueError as e:
+      raise LaunchError(str(e)) from None
     self.log_dir = log_dir
     self.timeout_s = timeout_s
     self.quiet = quiet
@@ -99,6 +103,8 @@ class Launcher:
     self._lock = threading.Lock()
     self._interrupted = None  # The signal that asked us to stop.
     self._began: Optional[float] = None  # The first start (monotonic).
+    # The run ended with a usage error: its command refused its flags.
+    self.refused = False
     self.tasks = self._make_tasks()
     self.cpus = self._plan_cpus(cpus_per_task)
     # In a PS cluster the coordinator re-runs a lost worker's steps elsewhere.
@@ -265,6 +271,7 @@ class Launcher:
           self._restart(task, code)
           continue
         self._report(task, code)
+        self.refused = _usage_error(task, code)
         self.stop()
         self._note("stopped")
         return self._exit(code if code > 0 else 128 - code)  # -N: signal N.
@@ -324,9 +331,9 @@ class Launcher:
     """Stops every task and starts the cluster again, on the same ports
     once they are free (new ones if they stay taken)."""
     self.restarts += 1
-    self._say(f"{task.name} failed ({_how(code)}); restart {self.restarts} "
-              f"of {self.max_restarts}: stopping every task and restarting "
-              f"the cluster (log {task.log_path})", level=-1)
+    self._say(f"{task.name} failed ({_how(code, task)}); restart "
+              f"{self.restarts} of {self.max_restarts}: stopping every task "
+              f"and restarting the cluster (log {task.log_path})", level=-1)
     self._stop_tasks(RESTART_GRACE_S)
     self._note("stopped")
     ports_free = wait_for_ports(self.spec, PORT_WAIT_S)
@@ -340,7 +347,7 @@ class Launcher:
 
   def _report(self, task: Task, code: int) -> None:
     lines = "\n".join(f"  | {line}" for line in task.tail())
-    self._say(f"{task.name} failed ({_how(code)}); last lines of "
+    self._say(f"{task.name} failed ({_how(code, task)}); last lines of "
               f"{task.log_path}:\n{lines}", level=-1)
 
   def stop(self, grace_s: float = STOP_GRACE_S) -> None:
@@ -393,5 +400,8 @@ def _usage_error(task: Task, code: int) -> bool:
                         for line in task.tail()))
 
 
-def _how(code: int) -> str:
-  return f"exit code {code}" if code >= 0 else f"killed by signal {-code}"
+def _how(code: int, task: Optional[Task] = None) -> str:
+  how = f"exit code {code}" if code >= 0 else f"killed by signal {-code}"
+  if task is not None and getattr(task.process, "server_died", False):
+    how += ": the fork server died"
+  return how

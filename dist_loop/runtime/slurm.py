@@ -19,12 +19,14 @@ are ours (`port_base`): the resolver's default, 8888 for every job,
 collides when two jobs share a node.
 """
 
+import itertools
+import math
 import os
 import re
 import shutil
 import signal
 import subprocess
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import Dict, Iterator, List, Mapping, Optional, Tuple
 
 from dist_loop.core.errors import UserError
 
@@ -45,6 +47,11 @@ NVIDIA_SMI_TIMEOUT_S = 15.0
 # A host name (RFC 1123 labels; underscores, which some sites use, too).
 _HOST = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?$")
 _FIX = "start every task with srun, or set TF_CONFIG on each task"
+# SLURM's IDs and task counts are 32-bit, a host list's numbers 64-bit;
+# past these, a variable is not SLURM's (and Python refuses to convert
+# numbers of thousands of digits).
+_MAX_NUMBER = 2**32 - 1
+_MAX_HOST_NUMBER = 2**64 - 1
 
 
 def in_step(environ: Mapping[str, str]) -> bool:
@@ -100,19 +107,27 @@ def _resolve(environ) -> Tuple[Dict[str, List[str]], str, int]:
                    _number(environ, "SLURM_STEP_ID"))
   rank = _number(environ, "SLURM_PROCID")
   num_tasks = _number(environ, "SLURM_STEP_NUM_TASKS")
-  hosts = expand_hostlist(_variable(environ, "SLURM_STEP_NODELIST"))
+  # Both lists are counted before they are expanded: a compact list can
+  # name billions of nodes, and a step has at most one per task.
+  hostlist = _variable(environ, "SLURM_STEP_NODELIST")
+  num_hosts = count_hostlist(hostlist)
   per_node_text = _variable(environ, "SLURM_STEP_TASKS_PER_NODE")
-  counts = expand_tasks_per_node(per_node_text)
+  runs = _task_runs(per_node_text)
+  num_nodes = sum(repeat for _, repeat in runs)
+  placed = sum(count * repeat for count, repeat in runs)
   per_node = f"SLURM_STEP_TASKS_PER_NODE={per_node_text!r}"
-  if len(counts) != len(hosts):
-    raise _bad(f"{per_node} gives {len(counts)} nodes, but "
-               f"SLURM_STEP_NODELIST lists {len(hosts)}")
-  if sum(counts) != num_tasks:
+  if num_nodes != num_hosts:
+    raise _bad(f"{per_node} gives {num_nodes} nodes, but "
+               f"SLURM_STEP_NODELIST lists {_many(num_hosts)}")
+  if placed != num_tasks:
     raise _bad(f"SLURM_STEP_NUM_TASKS={num_tasks}, but {per_node} places "
-               f"{sum(counts)} tasks")
+               f"{placed} tasks")
   if not 0 <= rank < num_tasks:
     raise _bad(f"SLURM_PROCID={rank} is not a task of this SLURM step of "
                f"{num_tasks} tasks")
+  # At most `num_tasks` of each now: every node has a task or more.
+  hosts = expand_hostlist(hostlist)
+  counts = expand_tasks_per_node(per_node_text)
   workers, place = [], None
   for host, count in sorted(zip(hosts, counts)):
     for local in range(count):
@@ -136,8 +151,9 @@ def _number(environ, name: str, default: Optional[str] = None) -> int:
   text = environ.get(name, default)
   if text is None:
     raise _bad(f"{name} is not set")
-  if not text.strip().isdigit():
-    raise _bad(f"{name}={text!r} is not a number")
+  if not text.strip().isdecimal() or len(text.strip()) > 10 or int(
+      text) > _MAX_NUMBER:
+    raise _bad(f"{name}={text!r} is not a number from 0 to {_MAX_NUMBER}")
   return int(text)
 
 
@@ -152,7 +168,38 @@ def expand_hostlist(hostlist: str) -> List[str]:
   Raises:
     UserError: naming the list and the part that is not a host name.
   """
-  # Split on the commas outside brackets.
+  hosts = []
+  for part in _hostlist_parts(hostlist):
+    for host in _expand_brackets(part, hostlist):
+      _check_host(host, hostlist)
+      hosts.append(host)
+  return hosts
+
+
+def count_hostlist(hostlist: str) -> int:
+  """How many host names SLURM's compact host list has, without listing
+  them (`node[0-99999999]` is one line and 10**8 names).
+
+  Raises:
+    UserError: as `expand_hostlist` (a bad name: found by its first host;
+      a host's numbers are digits, which fit anywhere in a name).
+  """
+  total = 0
+  for part in _hostlist_parts(hostlist):
+    _check_host(_first_host(part, hostlist), hostlist)
+    total += _count_brackets(part, hostlist)
+  return total
+
+
+def _many(count: int) -> str:
+  """`count`, or a bound it is over (Python prints no number of more than
+  4300 digits, and a list of 1000 brackets can count more)."""
+  return (str(count) if count <= _MAX_HOST_NUMBER
+          else f"over {_MAX_HOST_NUMBER}")
+
+
+def _hostlist_parts(hostlist: str) -> List[str]:
+  """The list split on the commas outside brackets."""
   parts, depth, start = [], 0, 0
   for i, char in enumerate(hostlist + ","):
     depth += {"[": 1, "]": -1}.get(char, 0)
@@ -163,31 +210,50 @@ def expand_hostlist(hostlist: str) -> List[str]:
       start = i + 1
   if depth != 0 or not all(parts):
     raise _bad(f"SLURM_STEP_NODELIST={hostlist!r} is not a host list")
-  hosts = []
-  for part in parts:
-    for host in _expand_brackets(part, hostlist):
-      if not _HOST.match(host):
-        raise _bad(f"SLURM_STEP_NODELIST={hostlist!r} has {host!r}, which is "
-                   "not a host name")
-      hosts.append(host)
-  return hosts
+  return parts
 
 
-def _expand_brackets(part: str, hostlist: str) -> List[str]:
-  match = re.match(r"^([^\[\]]*)\[([^\[\]]*)\](.*)$", part)
-  if not match:
-    return [part]
-  prefix, ranges, rest = match.groups()
-  out = []
-  for item in ranges.split(","):
-    low, _, high = item.partition("-")
-    if not low.isdigit() or not (high or low).isdigit() or int(
-        high or low) < int(low):
-      raise _bad(f"SLURM_STEP_NODELIST={hostlist!r} has the range [{ranges}]")
-    for n in range(int(low), int(high or low) + 1):
-      out += [f"{prefix}{n:0{len(low)}d}{tail}"
-              for tail in _expand_brackets(rest, hostlist)]
-  return out
+def _check_host(host: str, hostlist: str) -> None:
+  if not _HOST.match(host):
+    raise _bad(f"SLURM_STEP_NODELIST={hostlist!r} has {host!r}, which is "
+               "not a host name")
+
+
+def _brackets(part: str, hostlist: str):
+  """A part as its text between brackets and each bracket's numbers as
+  (low, high, digits): "n[1-2,5]x[3]" is ["n", "x", ""] and
+  [[(1, 2, 1), (5, 5, 1)], [(3, 3, 1)]]."""
+  pieces = re.split(r"\[([^\[\]]*)\]", part)  # Brackets nest in no part.
+  numbers = []
+  for ranges in pieces[1::2]:
+    numbers.append([])
+    for item in ranges.split(","):
+      low, _, high = item.partition("-")
+      if not all(n.isdecimal() and len(n) <= 20 and int(n) <= _MAX_HOST_NUMBER
+                 for n in (low, high or low)) or int(high or low) < int(low):
+        raise _bad(f"SLURM_STEP_NODELIST={hostlist!r} has the range "
+                   f"[{ranges}]")
+      numbers[-1].append((int(low), int(high or low), len(low)))
+  return pieces[0::2], numbers
+
+
+def _expand_brackets(part: str, hostlist: str) -> Iterator[str]:
+  texts, numbers = _brackets(part, hostlist)
+  names = [[f"{n:0{digits}d}" for low, high, digits in ranges
+            for n in range(low, high + 1)] for ranges in numbers]
+  for combination in itertools.product(*names):
+    yield texts[0] + "".join(n + t for n, t in zip(combination, texts[1:]))
+
+
+def _first_host(part: str, hostlist: str) -> str:
+  texts, numbers = _brackets(part, hostlist)
+  return texts[0] + "".join(f"{r[0][0]:0{r[0][2]}d}{t}"
+                            for r, t in zip(numbers, texts[1:]))
+
+
+def _count_brackets(part: str, hostlist: str) -> int:
+  return math.prod(sum(high - low + 1 for low, high, _ in ranges)
+                   for ranges in _brackets(part, hostlist)[1])
 
 
 def expand_tasks_per_node(text: str) -> List[int]:
@@ -196,13 +262,24 @@ def expand_tasks_per_node(text: str) -> List[int]:
   Raises:
     UserError: naming the variable.
   """
+  return [count for count, repeat in _task_runs(text)
+          for _ in range(repeat)]
+
+
+def _task_runs(text: str) -> List[Tuple[int, int]]:
+  """SLURM's "2(x3),1" as (tasks per node, nodes): [(2, 3), (1, 1)].
+
+  Raises:
+    UserError: naming the variable.
+  """
   out = []
   for item in text.split(","):
-    match = re.match(r"^(\d+)(?:\(x(\d+)\))?$", item.strip())
-    if not match or int(match.group(1)) < 1:
+    match = re.match(r"^(\d{1,10})(?:\(x(\d{1,10})\))?$", item.strip())
+    if (not match or not 1 <= int(match.group(1)) <= _MAX_NUMBER
+        or int(match.group(2) or 1) > _MAX_NUMBER):
       raise _bad(f"SLURM_STEP_TASKS_PER_NODE={text!r} is not a list of task "
                  "counts like 2(x3),1")
-    out += [int(match.group(1))] * int(match.group(2) or 1)
+    out.append((int(match.group(1)), int(match.group(2) or 1)))
   return out
 
 
@@ -224,7 +301,7 @@ def _gpus_of_task(environ, local: int, local_tasks: int) -> Optional[str]:
   per_task = environ.get("SLURM_GPUS_PER_TASK")
   if per_task is not None:
     count = per_task.rpartition(":")[2]  # "[type:]count"
-    if not count.isdigit() or int(count) < 1:
+    if not count.isdecimal() or len(count) > 10 or int(count) < 1:
       raise _bad(f"SLURM_GPUS_PER_TASK={per_task!r} is not a GPU count")
     per_task = int(count)
   else:

@@ -35,6 +35,13 @@ Below the tables, one line per target says whether it was met. Each part
 runs real processes through the entry point, as a user's run does, except
 the first, which needs the saves alone. `--quick` runs every part at tiny
 sizes and durations: a check of the harness, whose targets mean nothing.
+
+Each process started here runs in a session of its own (a terminal's
+Ctrl-C reaches the benchmark only) and dies with the benchmark
+(PR_SET_PDEATHSIG; the launcher's fork server and tasks die with the
+launcher). Stopped midway (an exception, such as `tools.bench`'s on Ctrl-C
+or SIGTERM), a part SIGKILLs what it started and waits for all of it to go,
+within `_KILL_WAIT_S`, before the temporary directory is removed.
 """
 
 import os
@@ -53,6 +60,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from dist_loop.runtime import goodput, launch_record  # pylint: disable=g-import-not-at-top
 from tools.benchmarks import common  # pylint: disable=g-import-not-at-top
+from tools.local_cluster import die_with_parent  # pylint: disable=g-import-not-at-top
 
 TRANSFORMER = dict(dataset="pysource", model="transformer", seq_len=64,
                    num_layers=8, d_model=384, num_heads=6, optimizer="adam",
@@ -78,6 +86,9 @@ _ENTRY = [sys.executable, "-m", "experiments.train"]
 _LAUNCH = [sys.executable, "-m", "tools.launch"]
 _RUN_TIMEOUT_S = 1800
 _STOP_WAIT_S = 120  # SIGTERM to the launcher: its tasks save, then exit.
+# SIGKILLed processes go at once; this only bounds a kernel that is slow
+# to let them go (a process stuck in uninterruptible I/O).
+_KILL_WAIT_S = 10
 # Not timed: the first saves build (an async save's second one still does).
 _WARMUP_ROUNDS = 2
 
@@ -203,13 +214,12 @@ def _chaos(settings, root: str, cores) -> List[Dict]:
   if cores is None:
     return [{"run": f"{name}: needs {WORKERS} cores to pin the workers"}]
   workdir = os.path.join(root, "chaos")
-  proc = subprocess.Popen(
+  proc = _start(
       [*_LAUNCH, f"--num_workers={WORKERS}", "--cpus_per_task=1",
        f"--max_restarts={settings['max_restarts']}",
        f"--timeout_s={_RUN_TIMEOUT_S}", "--", *_ENTRY,
        *_flags(settings["chaos_model"], workdir, 10**7,
-               settings["checkpoint_every"], "--async_checkpoint")],
-      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+               settings["checkpoint_every"], "--async_checkpoint")])
   kills = []
   stop = threading.Event()
   record = os.path.join(workdir, goodput.GOODPUT_FILE)
@@ -236,12 +246,13 @@ def _chaos(settings, root: str, cores) -> List[Dict]:
     try:
       proc.wait(timeout=_STOP_WAIT_S)
     except subprocess.TimeoutExpired:
-      proc.kill()  # Its tasks die with it (PR_SET_PDEATHSIG).
+      pass  # Killed below.
   finally:
     stop.set()
-    thread.join(timeout=10)
-    if proc.poll() is None:
-      proc.kill()
+    try:
+      thread.join(timeout=10)
+    finally:  # Even if a signal's exception cut the join short.
+      _kill(proc)
   attempts = goodput.read(record)
   totals = goodput.totals(attempts, launch_record.read_if_any(
       launch_record.path(workdir)))
@@ -275,6 +286,61 @@ def _tasks(launcher: int) -> List[int]:
   return out
 
 
+def _start(command, cores=None) -> subprocess.Popen:
+  """Starts `command` (on `cores`, if given) in a session of its own,
+  to die with this process; its output is dropped."""
+
+  def prepare():
+    die_with_parent()
+    if cores is not None:
+      os.sched_setaffinity(0, cores)
+
+  return subprocess.Popen(command, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+                          start_new_session=True, preexec_fn=prepare)
+
+
+def _kill(proc: subprocess.Popen) -> None:
+  """SIGKILLs `proc` (a launcher, or a train command) if it still runs,
+  its process group and every process under it (a fork server and its
+  tasks), and waits, within _KILL_WAIT_S, for them all to go."""
+  if proc.poll() is not None:
+    return
+  below = _descendants(proc.pid)  # Before it dies: they are orphans then.
+  for kill, pid in [(os.killpg, proc.pid)] + [(os.kill, p) for p in below]:
+    try:
+      kill(pid, signal.SIGKILL)
+    except OSError:
+      pass  # Gone already.
+  deadline = time.monotonic() + _KILL_WAIT_S
+  try:
+    proc.wait(timeout=_KILL_WAIT_S)
+  except subprocess.TimeoutExpired:
+    pass
+  while (any(_running(p) for p in below)
+         and time.monotonic() < deadline):
+    time.sleep(0.05)
+
+
+def _descendants(pid: int) -> List[int]:
+  """Every running process under `pid`, each before its children."""
+  out, todo = [], [pid]
+  while todo:
+    children = _children(todo.pop())
+    out += children
+    todo += children
+  return out
+
+
+def _running(pid: int) -> bool:
+  """Whether `pid` is a process that has not exited (a zombie has)."""
+  try:
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+  except (OSError, IndexError):
+    return False
+
+
 def _children(pid: int) -> List[int]:
   """The child processes of `pid` that still run (zombies left out)."""
   out = []
@@ -306,10 +372,13 @@ def _startup(settings, root: str, cores) -> List[Dict]:
     if processes > 1:  # The launcher pins each task.
       command = [*_LAUNCH, f"--num_workers={processes}", "--cpus_per_task=1",
                  "--", *command]
-    subprocess.run(command, stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL, timeout=_RUN_TIMEOUT_S,
-                   check=True, preexec_fn=(
-                       None if processes > 1 else _pinned_to(cores[0])))
+    proc = _start(command, None if processes > 1 else [cores[0]])
+    try:
+      code = proc.wait(timeout=_RUN_TIMEOUT_S)
+    finally:
+      _kill(proc)
+    if code:
+      raise subprocess.CalledProcessError(code, command)
     first = goodput.read(os.path.join(workdir, goodput.GOODPUT_FILE))[0]
     phases = {p: first["phases"][p] for p in (*goodput.STARTUP, "restore")}
     rows.append({"processes": processes, "cores": "1 each",
@@ -317,11 +386,6 @@ def _startup(settings, root: str, cores) -> List[Dict]:
                              else "a new process"),
                  **phases, "total": sum(phases.values())})
   return rows
-
-
-def _pinned_to(core: int):
-  """Runs in the child before the command: it runs on `core` only."""
-  return lambda: os.sched_setaffinity(0, [core])
 
 
 def main():
