@@ -241,6 +241,131 @@ def test_a_record_not_matching_the_spec_names_its_file_and_index(tmp_path):
       "--skip_bad_records")
 
 
+
+@pytest.mark.timeout(60)
+def test_a_file_that_is_not_a_regular_file_is_refused_unopened(digits_copy):
+  manifest_path = os.path.join(digits_copy, shard_format.MANIFEST)
+  shard = os.path.join(digits_copy, "train-00001-of-00004.arrayrecord")
+  os.remove(shard)
+  os.mkfifo(shard)  # Opened, it would block: the check comes first.
+  assert _error(digits_copy).startswith(
+      f"{shard} is not a regular file (a FIFO); the manifest lists it")
+  data = open(manifest_path, "rb").read()
+  os.remove(manifest_path)
+  os.mkfifo(manifest_path)
+  assert _error(digits_copy).startswith(
+      f"{manifest_path} is not a regular file (a FIFO); ")
+  os.remove(manifest_path)
+  os.symlink("/dev/zero", manifest_path)  # Read, it would never end.
+  assert _error(digits_copy).startswith(
+      f"{manifest_path} is not a regular file (a device); ")
+  os.remove(manifest_path)
+  open(manifest_path, "wb").write(data)
+  assert "is not a regular file (a FIFO)" in _error(digits_copy)  # The shard.
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("num_classes", 10**12, "num_classes 1000000000000 is not an integer"),
+    ("num_classes", 0, "num_classes 0 is not an integer"),
+    ("num_classes", True, "num_classes True is not an integer"),
+    ("x.shape", [8, 8, -1], "the spec of x has shape [8, 8, -1], not a "
+     "list of positive integers"),
+    ("y.shape", [1.5], "the spec of y has shape [1.5]"),
+    ("x.dtype", "float16", "the spec of x is not {dtype: one of"),
+    ("y.dtype", "float32", "the spec of y has dtype float32; labels are "
+     "class or token ids"),
+])
+def test_manifest_values_the_input_cannot_use_are_refused_at_load(
+    digits_copy, field, value, says):
+  manifest_path = os.path.join(digits_copy, shard_format.MANIFEST)
+  manifest = json.load(open(manifest_path))
+  if "." in field:
+    key, attr = field.split(".")
+    manifest["spec"][key][attr] = value
+  else:
+    manifest[field] = value
+  json.dump(manifest, open(manifest_path, "w"))
+  assert _error(digits_copy).startswith(f"{manifest_path}: {says}")
+
+
+def test_a_label_outside_num_classes_names_its_file_and_index(tmp_path):
+  out, path = _with_records(tmp_path, lambda i: shard_format.encode(
+      np.float32([i]), np.int32(7 if i == 5 else 1)))  # num_classes is 2.
+  col = shards.load(out, 0).train_x
+  it = iter(col.train_dataset_fn(N, 0, 0)(tf.distribute.InputContext()))
+  with pytest.raises(tf.errors.InvalidArgumentError) as info:
+    next(it)
+  assert str(shard_stream.input_error(info.value)) == (
+      f"{path}: record 5 {shard_stream.SPEC_ERROR}: its y is outside "
+      "[0, num_classes=2); make the shards again with tools.make_shards, or "
+      "pass --skip_bad_records")
+
+
+def _corrupt_record(path, record):
+  """Flips a byte inside `record`'s bytes in the (uncompressed) file,
+  keeping its size, as a disk would."""
+  data = bytearray(open(path, "rb").read())
+  at = bytes(data).index(record) + len(record) // 2
+  data[at] ^= 0xFF
+  open(path, "wb").write(bytes(data))
+
+
+@pytest.mark.timeout(120)
+def test_a_corrupted_arrayrecord_chunk_is_one_line_or_skipped_and_counted(
+    digits_copy):
+  """A chunk failing its checksum: without --skip_bad_records one line
+  naming the file and record; with it, that record alone is dropped and
+  counted (the reader that failed is not used again, so the file's other
+  records still read), and past --max_bad_records the input stops."""
+  split = _column(digits_copy)._split  # pylint: disable=protected-access
+  path = split.paths[0]
+  record = bytes(shard_stream._ArrayRecords(split.paths, split.counts).read(  # pylint: disable=protected-access
+      np.array([5]))[0])
+  lost = int(tf.io.decode_raw(tf.io.parse_single_example(record, {
+      "x": tf.io.FixedLenFeature([], tf.string)})["x"], tf.float32)[0])
+  _corrupt_record(path, record)
+  ctx = tf.distribute.InputContext()
+  it = iter(_column(digits_copy).train_dataset_fn(N, 5, 0)(ctx))
+  with pytest.raises(tf.errors.OpError) as info:
+    next(it)
+  assert str(shard_stream.input_error(info.value)) == (
+      f"{path}: record 5 {shard_stream.CORRUPT_ERROR}; make the shards "
+      "again with tools.make_shards, or pass --skip_bad_records")
+  for limit in (5, 0):
+    options = shards.ShardsOptions(skip_bad_records=True,
+                                   max_bad_records=limit)
+    col = shards.load(digits_copy, 0, options=options).train_x
+    it = iter(col.train_dataset_fn(BATCH, 5, 0)(ctx))
+    if limit == 0:
+      with pytest.raises(tf.errors.InvalidArgumentError) as info:
+        for _ in range(10):
+          next(it)
+      assert str(shard_stream.input_error(info.value)).startswith(
+          f"1 {bad_records.LIMIT_ERROR}=0 in {digits_copy}; ")
+      continue
+    seen = [int(v) for _ in range(4) for v in next(it)[0].numpy().ravel()]
+    # The epoch: every example but the corrupted one, each once.
+    assert sorted(seen[:N - 1]) == sorted(set(range(N)) - {lost})
+    assert col.skipper.metrics()["data/bad_records"] >= 1
+
+
+def test_a_corrupted_tfrecord_file_is_one_line(index_shards, tmp_path):
+  import shutil  # pylint: disable=g-import-not-at-top
+  out = str(tmp_path / "tfrecord")
+  shutil.copytree(index_shards["tfrecord"], out)
+  path = os.path.join(out, "train-00000-of-00004.tfrecord")
+  record = next(iter(tf.data.TFRecordDataset(path).skip(3))).numpy()
+  _corrupt_record(path, record)
+  it = iter(_column(out).train_dataset_fn(N, 5, 0)(
+      tf.distribute.InputContext()))
+  with pytest.raises(tf.errors.DataLossError) as info:
+    next(it)
+  line = str(shard_stream.input_error(info.value))
+  assert line.startswith("a TFRecord shard is corrupted at byte ")
+  assert line.endswith("--verify=DIR does); make the shards again with "
+                       "tools.make_shards")
+
+
 @pytest.mark.parametrize("fmt", shard_format.FORMATS)
 def test_shard_input_is_not_autotuned_and_frees_at_once(index_shards, fmt):
   import time  # pylint: disable=g-import-not-at-top

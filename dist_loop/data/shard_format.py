@@ -19,12 +19,22 @@ size, naming its file and index.
 The manifest is the contract: the task, the classes, the spec, per split
 the files in order with their record counts, sizes and SHA-256 checksums.
 `check_files` compares it with the files before anything trains, so a
-missing, truncated, empty or swapped shard stops the run in one line.
+missing, truncated, empty or swapped shard stops the run in one line; so
+does a manifest or shard that is not a regular file (a FIFO would block
+the read, a device never end it), checked before it is opened. The
+manifest's values are checked when it is read: `num_classes` a positive
+integer up to `MAX_CLASSES`, shapes of positive integers, dtypes from
+`DTYPES` and the labels (`y`) of an integer dtype, since both tasks'
+labels are class or token ids; a label outside [0, num_classes) is refused
+when its record is parsed (`shard_stream.Split.parse`). Records do not
+carry their dtype: values of another dtype of the same size (int32 read as
+float32 x) are not detectable.
 """
 
 import hashlib
 import json
 import os
+import stat
 from typing import Any, Dict, List
 
 import numpy as np
@@ -35,6 +45,13 @@ MANIFEST = "manifest.json"
 FORMATS = ("tfrecord", "arrayrecord")
 SUFFIX = {"tfrecord": ".tfrecord", "arrayrecord": ".arrayrecord"}
 VERSION = 1
+DTYPES = ("float32", "int32", "uint8", "int64")
+LABEL_DTYPES = ("int32", "uint8", "int64")
+# The most classes (or tokens) a manifest may declare: the model's output
+# layer has a row per class.
+MAX_CLASSES = 1 << 20
+# The most bytes an example's x or y may declare.
+MAX_RECORD_BYTES = 1 << 30
 SPLITS = ("train", "eval")
 # ArrayRecord's writer options. group_size:1 puts each record in a chunk of
 # its own, so a random read decodes one record, not a group of them. That
@@ -79,6 +96,7 @@ def read_manifest(data_dir: str) -> Dict[str, Any]:
   path = os.path.join(data_dir, MANIFEST)
   fix = f"make the shards again with tools.make_shards --out={data_dir}"
   try:
+    _check_regular(path, fix)
     with open(path, encoding="utf-8") as f:
       manifest = json.load(f)
   except FileNotFoundError:
@@ -97,13 +115,27 @@ def _manifest_problem(m) -> str:
     return f"not a version-{VERSION} manifest"
   if m.get("format") not in FORMATS:
     return f"format {m.get('format')!r} is not one of {', '.join(FORMATS)}"
-  if not isinstance(m.get("num_classes"), int) or m["num_classes"] < 1:
-    return "num_classes is not a positive integer"
+  classes = m.get("num_classes")
+  if (not _is_int(classes) or not 1 <= classes <= MAX_CLASSES):
+    return (f"num_classes {classes!r} is not an integer from 1 to "
+            f"{MAX_CLASSES}")
+  if not isinstance(m.get("spec"), dict):
+    return "it has no spec of x and y"
   for key in ("x", "y"):
-    spec = m.get("spec", {}).get(key)
+    spec = m["spec"].get(key)
     if (not isinstance(spec, dict) or not isinstance(spec.get("shape"), list)
-        or spec.get("dtype") not in ("float32", "int32", "uint8", "int64")):
-      return f"the spec of {key} is not {{dtype, shape}}"
+        or spec.get("dtype") not in DTYPES):
+      return (f"the spec of {key} is not {{dtype: one of "
+              f"{', '.join(DTYPES)}, shape}}")
+    if not all(_is_int(d) and d >= 1 for d in spec["shape"]):
+      return (f"the spec of {key} has shape {spec['shape']}, not a list of "
+              "positive integers")
+    if record_bytes(spec) > MAX_RECORD_BYTES:
+      return (f"the spec of {key} ({spec['shape']} {spec['dtype']}) is over "
+              f"{MAX_RECORD_BYTES} bytes an example")
+  if m["spec"]["y"]["dtype"] not in LABEL_DTYPES:
+    return (f"the spec of y has dtype {m['spec']['y']['dtype']}; labels are "
+            f"class or token ids, one of {', '.join(LABEL_DTYPES)}")
   for split in SPLITS:
     files = m.get("splits", {}).get(split, {}).get("files")
     if not files or not all(isinstance(f, dict) and {"name", "records",
@@ -113,10 +145,33 @@ def _manifest_problem(m) -> str:
   return ""
 
 
+def _is_int(value) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool)
+
+
 def record_bytes(spec: Dict[str, Any]) -> int:
   """The size of one example's raw `x` or `y` bytes under `spec`."""
-  return int(np.prod(spec["shape"], dtype=np.int64)
-             * np.dtype(spec["dtype"]).itemsize)
+  size = np.dtype(spec["dtype"]).itemsize
+  for d in spec["shape"]:  # Python ints: no overflow.
+    size *= int(d)
+  return size
+
+
+def _check_regular(path: str, fix: str) -> None:
+  """Refuses a path that is not a regular file (after symlinks), before
+  anything opens it: a FIFO blocks an open, a device never ends a read.
+
+  Raises:
+    OSError: from os.stat (FileNotFoundError: it does not exist).
+    UserError: one line naming it.
+  """
+  mode = os.stat(path).st_mode
+  if not stat.S_ISREG(mode):
+    kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO"
+            if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode)
+            or stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode)
+            else "not a file")
+    raise UserError(f"{path} is not a regular file ({kind}); {fix}")
 
 
 def paths(data_dir: str, manifest, split: str) -> List[str]:
@@ -148,15 +203,16 @@ def check_files(data_dir: str, manifest, verify_checksums: bool) -> None:
         raise UserError(f"{path} is an empty shard (0 records in the "
                         f"manifest); {fix} with fewer --num_shards")
       try:
+        _check_regular(path, f"the manifest lists it; {fix}")
         size = os.path.getsize(path)
+        if size != int(entry["bytes"]):
+          raise UserError(f"{path} has {size} bytes, the manifest says "
+                          f"{entry['bytes']} (truncated or replaced); {fix}")
         with open(path, "rb"):
           pass
       except OSError as e:
         raise UserError(f"{path} cannot be read ({e.strerror}); the manifest "
                         f"lists it; {fix}") from None
-      if size != int(entry["bytes"]):
-        raise UserError(f"{path} has {size} bytes, the manifest says "
-                        f"{entry['bytes']} (truncated or replaced); {fix}")
       if manifest["format"] == "arrayrecord":
         found = arrayrecord_count(path)
         if found != int(entry["records"]):

@@ -32,9 +32,15 @@ covers every record once when the processes' files hold equal counts
 (`make_shards` balances them; --num_shards a multiple of P).
 
 A record that does not match the spec stops the input with its file and
-index (`SPEC_ERROR` in the error's message: `describe_error`).
+index (`SPEC_ERROR` in the error's message: `input_error`). So does an
+ArrayRecord record whose chunk fails its checksum (`CORRUPT_ERROR`); with
+`--skip_bad_records` it is read as an empty record instead, which the
+parse refuses, so it is dropped and counted like any bad record. A corrupted
+TFRecord file stops the input in one line too (TF's error names its byte
+offset, not its file).
 """
 
+import os
 import queue
 import re
 from typing import Any, Dict, List, Optional, Tuple
@@ -47,6 +53,7 @@ from dist_loop.data import bad_records, service, shard_format, stream
 
 ORDERS = ("index_shuffle", "memory")
 SPEC_ERROR = "does not match the manifest spec"
+CORRUPT_ERROR = "cannot be read: the file is corrupted"
 _no_autograph = stream.no_autograph
 _FOREVER = np.iinfo(np.int64).max
 _BLOCK_RECORDS = 256  # Records a read, and a parse, take at least.
@@ -71,6 +78,7 @@ class Split:
     self.counts = shard_format.counts(manifest, split)
     self.num_records = sum(self.counts)
     self.spec = manifest["spec"]
+    self.num_classes = manifest["num_classes"]
     shape = list(self.spec["x"]["shape"])
     self.resize = (image_size if image_size and len(shape) == 3
                    and shape[:2] != [image_size] * 2 else None)
@@ -114,6 +122,18 @@ class Split:
         values = tf.io.decode_raw(raw, self.spec[key]["dtype"],
                                   little_endian=True)
       out.append(tf.reshape(values, [-1] + list(shape)))
+    # Labels are class (or token) ids: one outside [0, num_classes) would
+    # fail the loss without a name, or train on garbage.
+    ids = tf.reshape(tf.cast(out[1], tf.int64), [tf.shape(serialized)[0], -1])
+    bad = tf.where(tf.reduce_any(tf.logical_or(
+        ids < 0, ids >= self.num_classes), axis=1))[:1, 0]
+    check = tf.debugging.Assert(
+        tf.size(bad) == 0,
+        ["record", tf.gather(indices, bad), "of", tf.gather(files, bad),
+         f"{SPEC_ERROR}: its y is outside [0, num_classes="
+         f"{self.num_classes})"])
+    with tf.control_dependencies([check]):
+      out[1] = tf.identity(out[1])
     x, y = out
     if self.resize:
       x = tf.image.resize(x, (self.resize, self.resize), method="bilinear")
@@ -125,6 +145,8 @@ class Split:
     """Records by global index (ArrayRecord): (serialized, their files,
     their indices within them)."""
     indices = tf.cast(indices, tf.int64)  # The in-memory order's are int32.
+    # A corrupted record: skipped and counted by the skipper, else an error.
+    self._arrayrecords.skip_corrupt = self.skipper is not None
     serialized = tf.numpy_function(self._arrayrecords.read, [indices],
                                    tf.string, stateful=False)
     serialized.set_shape(indices.shape)
@@ -225,6 +247,9 @@ class _ArrayRecords:
     self._paths = paths
     self._starts = np.cumsum([0] + list(counts))
     self._idle = queue.SimpleQueue()  # Reader sets not in use.
+    # A record that fails to read is b"" (which the parse refuses) if set,
+    # else an error naming it (`CORRUPT_ERROR`).
+    self.skip_corrupt = False
 
   def read(self, indices: np.ndarray) -> np.ndarray:
     try:
@@ -246,8 +271,22 @@ class _ArrayRecords:
       if reader is None:
         reader = readers[f] = array_record_module.ArrayRecordReader(
             self._paths[f], "readahead_buffer_size:0,max_parallelism:0")
-      reader.seek(index)
-      out[row] = reader.read()
+      try:
+        reader.seek(index)
+        out[row] = reader.read()
+      except RuntimeError as e:  # Riegeli: a chunk failing its checksum.
+        # The reader fails every read after one failure: it is closed and
+        # not used again.
+        del readers[f]
+        try:
+          reader.close()
+        except RuntimeError:
+          pass
+        if not self.skip_corrupt:
+          raise tf.errors.DataLossError(
+              None, None, f"record {index} of {self._paths[f]} "
+              f"{CORRUPT_ERROR} ({str(e).splitlines()[0][:160]})") from None
+        out[row] = b""
     return out
 
 
@@ -380,14 +419,24 @@ def eval_dataset(split: Split, batch_size: int) -> tf.data.Dataset:
 
 def input_error(error: Exception) -> Optional[UserError]:
   """The one line of a tf.data error about bad records (`Split.parse`,
-  `bad_records.Skipper`), or None for any other error."""
+  `bad_records.Skipper`, a corrupted shard), or None for any other error."""
   message = str(error)
-  found = re.search(r"\[record\] \[(\d+)\] \[of\] \[(.*?)\] \[(%s[^\]]*)\]"
-                    % SPEC_ERROR, message)
+  found = (re.search(r"\[record\] \[(\d+)\] \[of\] \[(.*?)\] \[(%s[^\]]*)\]"
+                     % SPEC_ERROR, message)
+           or re.search(r"record (\d+) of (.*?) (%s) \(" % CORRUPT_ERROR,
+                        message))
   if found:
     index, path, what = found.groups()
-    return UserError(f"{path}: record {index} {what}; make the shards again "
-                     "with tools.make_shards, or pass --skip_bad_records")
+    fix = "make the shards again with tools.make_shards"
+    if not os.path.basename(path).startswith("eval"):  # Never skipped.
+      fix += ", or pass --skip_bad_records"
+    return UserError(f"{path}: record {index} {what}; {fix}")
+  found = re.search(r"corrupted record at (\d+)", message)
+  if found and isinstance(error, tf.errors.DataLossError):
+    return UserError(
+        f"a TFRecord shard is corrupted at byte {found.group(1)} (TF does "
+        "not name the file: python -m tools.make_shards --verify=DIR does); "
+        "make the shards again with tools.make_shards")
   found = re.search(r"\[(\d+)\] \[(%s[^\]]*)\]" % bad_records.LIMIT_ERROR,
                     message)
   if found:
