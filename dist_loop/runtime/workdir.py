@@ -11,8 +11,11 @@ as it was:
 
 1. `check`, read-only: the workdir can be used, flags.txt is a readable
    flagfile with the same layout flags and optimizer, and no part of the run
-   (checkpoints/, flags.txt, summary.json, tb/) is of the wrong kind. It runs
-   before TensorFlow joins a cluster, and again under the lock.
+   (checkpoints/, flags.txt, summary.json, tb/) is of the wrong kind: every
+   file it will read or append to (the checkpoints' too) is a regular file,
+   not a FIFO whose read would hang or a link to /dev/zero whose read never
+   ends. It runs before TensorFlow joins a cluster, and again under the
+   lock.
 2. `Lock` (creates the workdir if needed, and removes it again if the run
    fails before writing anything in it).
 3. The newest readable checkpoint is restored (`checkpoints.py`).
@@ -26,14 +29,18 @@ state is reported with the path to move aside. This module does not import
 TensorFlow, so a tool can take or test the lock cheaply.
 """
 
+import glob
 import os
-from typing import Optional, Sequence
+import stat
+from typing import List, Optional, Sequence
 
 from dist_loop.core.config import Config
 from dist_loop.core.errors import UserError
 from dist_loop.runtime import goodput as _goodput
+from dist_loop.runtime import launch_record as _launch_record
 from dist_loop.runtime import lock as _lock
-from dist_loop.runtime.checkpoint_names import CHECKPOINT_DIR, INDEX_FILE
+from dist_loop.runtime.checkpoint_names import CHECKPOINT_DIR
+from dist_loop.runtime.checkpoint_names import CHECKPOINT_PREFIX, INDEX_FILE
 
 FLAGS_FILE = "flags.txt"
 SUMMARY_FILE = "summary.json"
@@ -42,6 +49,9 @@ GOODPUT_FILE = _goodput.GOODPUT_FILE
 LOCK_FILE = _lock.LOCK_FILE
 Lock = _lock.Lock
 lock_name = _lock.lock_name
+# What a file that is not a regular one is, for the message refusing it.
+_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
 
 # -- checks: read-only --
@@ -62,11 +72,26 @@ def check(config: Config, dirs: Sequence[str] = ()) -> None:
   _check_location(root)
   if not os.path.isdir(root):
     return  # A new run: nothing in it to check.
-  for name in (FLAGS_FILE, SUMMARY_FILE, GOODPUT_FILE, INDEX_FILE, LOCK_FILE):
-    _expect_kind(os.path.join(root, name), is_dir=False)
   for name in (CHECKPOINT_DIR, *dirs):
     _expect_kind(os.path.join(root, name), is_dir=True)
+  for path in _files(root):
+    _expect_kind(path, is_dir=False)
   _check_flags(config)
+
+
+def _files(root: str) -> List[str]:
+  """Every file of the workdir a run reads, appends to or replaces: its
+  own, the other processes' goodput records and locks, the launcher's
+  record, and the checkpoints' index and files (`checkpoint_names.py`)."""
+  names = [FLAGS_FILE, SUMMARY_FILE, GOODPUT_FILE, INDEX_FILE, LOCK_FILE,
+           os.path.join(_launch_record.LOG_DIR, _launch_record.FILE_NAME)]
+  patterns = [f"{LOCK_FILE}.*", "goodput.*.jsonl",
+              os.path.join(CHECKPOINT_DIR, f"{CHECKPOINT_PREFIX}-*.index"),
+              os.path.join(CHECKPOINT_DIR, f"{CHECKPOINT_PREFIX}-*.data-*")]
+  paths = [os.path.join(root, name) for name in names]
+  for pattern in patterns:
+    paths += sorted(glob.glob(os.path.join(glob.escape(root), pattern)))
+  return paths
 
 
 def _check_location(root: str) -> None:
@@ -119,12 +144,33 @@ def _expect_kind(path: str, is_dir: bool) -> None:
   if not os.path.lexists(path):
     return
   _refuse_dangling_link(path, "this workdir cannot be used")
-  if os.path.isdir(path) == is_dir:
+  if os.path.isdir(path) != is_dir:
+    what, should = (("a file", "a directory") if is_dir
+                    else ("a directory", "a file"))
+    raise UserError(f"{path} is {what}, but a run keeps {should} there; move "
+                    "it aside (nothing was changed)")
+  if not is_dir:
+    _expect_regular(path)
+
+
+def _expect_regular(path: str) -> None:
+  """Raises if the file at `path` is a pipe, a device or a socket: a read
+  of a FIFO waits for a writer that never comes, and one of /dev/zero
+  never ends."""
+  try:
+    mode = os.stat(path).st_mode
+  except OSError as e:
+    raise UserError(f"{path} cannot be examined ({e.strerror}); move it "
+                    "aside, or fix its permissions (nothing was changed)"
+                    ) from None
+  if stat.S_ISREG(mode):
     return
-  what, should = (("a file", "a directory") if is_dir
-                  else ("a directory", "a file"))
-  raise UserError(f"{path} is {what}, but a run keeps {should} there; move "
-                  "it aside (nothing was changed)")
+  kind = next((what for test, what in _KINDS if test(mode)), "not a file")
+  if os.path.islink(path):
+    kind = f"a symbolic link to {os.readlink(path)}, {kind}"
+  raise UserError(f"{path} is not a regular file ({kind}), but a run reads "
+                  "and writes a file there; move it aside (nothing was "
+                  "changed)")
 
 
 def read_flags(path: str) -> str:
