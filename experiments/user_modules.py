@@ -20,6 +20,7 @@ from any directory, resumes it.
 
 import importlib
 import os
+import signal
 import sys
 import traceback
 from typing import List, Sequence
@@ -69,6 +70,13 @@ def load(items: Sequence[str]) -> None:
         _import_name(item)
     except UserModuleError:
       raise
+    except (SystemExit, KeyboardInterrupt) as e:
+      # A real Ctrl-C during start-up never gets here (the entry point exits
+      # at once: `train.exit_on_ctrl_c`); where Ctrl-C raises, it may.
+      if isinstance(e, KeyboardInterrupt) and _ctrl_c_raises():
+        raise
+      raise _failed(item, f"{type(e).__name__}: {_one_line(e)}{_where(e)}; "
+                    "a module must not exit while imported") from None
     except SyntaxError as e:
       where = f"{os.path.basename(e.filename or '?')}:{e.lineno}"
       raise _failed(item, f"SyntaxError: {e.msg} ({where})") from None
@@ -94,11 +102,18 @@ def _import_path(item: str) -> None:
   path = os.path.abspath(os.path.expanduser(item))
   if os.path.isdir(path):
     name, init = os.path.basename(path), os.path.join(path, "__init__.py")
+    if os.path.exists(init) and not os.path.isfile(init):
+      raise _failed(item, f"{init} is not a regular file; give a package "
+                    "directory or a .py file")
     if not os.path.isfile(init):
       raise _failed(item, "a directory without __init__.py; give a package "
                     "directory or a .py file")
   elif os.path.isfile(path) and path.endswith(".py"):
     name, init = os.path.basename(path)[:-len(".py")], path
+  elif os.path.exists(path) and not os.path.isfile(path):
+    # A FIFO, device or socket (or a link to one): never opened.
+    raise _failed(item, "not a regular file (a FIFO, device or socket); "
+                  "give a .py file or a package directory")
   else:
     raise _failed(item, "no such .py file or package directory")
   if not name.isidentifier():
@@ -122,11 +137,17 @@ def _same_file(module, path: str) -> bool:
   return bool(file) and os.path.realpath(file) == os.path.realpath(path)
 
 
-def _one_line(error: Exception) -> str:
+def _ctrl_c_raises() -> bool:
+  """Whether Ctrl-C raises KeyboardInterrupt now (Python's own handler),
+  so that one may be the user's, not the module's."""
+  return signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def _one_line(error: BaseException) -> str:
   return " ".join(str(error).split()) or "(no message)"
 
 
-def _where(error: Exception) -> str:
+def _where(error: BaseException) -> str:
   """` (file.py:LINE)`: the last frame of the traceback outside this
   module and importlib, where the user's code raised."""
   frames = [f for f in traceback.extract_tb(error.__traceback__)

@@ -21,6 +21,7 @@ import tensorflow as tf
 import dist_loop.parallel.modes.local_sgd  # noqa: F401  (registers the mode)
 from conftest import max_diff
 from dist_loop import make_config
+from dist_loop.core import options as options_lib
 from dist_loop.parallel import staleness
 from dist_loop.parallel.modes.ps import stats, update
 from dist_loop.training import optim
@@ -90,6 +91,17 @@ def test_clipping_scales_to_the_bound_and_leaves_a_small_gradient():
   same, acted = optim.clip_by_global_norm(grads, norm, 10.0)
   assert not bool(acted)
   for a, b in zip(same, grads):  # Multiplied by exactly 1.
+    np.testing.assert_array_equal(a, b)
+
+
+def test_the_largest_clip_norm_leaves_the_gradient_finite():
+  """--clip_global_norm's bound (options.MAX_FLOAT) still computes in
+  float32: above it, clip / max(norm, clip) was inf / inf = NaN."""
+  grads = [tf.constant([3.0, 0.0]), tf.constant([[4.0]])]
+  norm = tf.linalg.global_norm(grads)
+  same, acted = optim.clip_by_global_norm(grads, norm, options_lib.MAX_FLOAT)
+  assert not bool(acted)
+  for a, b in zip(same, grads):
     np.testing.assert_array_equal(a, b)
 
 

@@ -39,6 +39,16 @@ TWO_WORKERS = Cluster({"worker": ["a:1", "b:2"]}, "worker", 0)
     (dict(seed=2**32), "--seed must be <= 4294967295, got 4294967296"),
     (dict(grace_period_s=float("inf")), "--grace_period_s must be <= 3600, "
      "got inf"),
+    # Above float32's range the step computes inf (and clipping NaN).
+    (dict(learning_rate=float("inf")), "--learning_rate must be <= 1e\\+30, "
+     "got inf"),
+    (dict(learning_rate=1e308), "--learning_rate must be <= 1e\\+30"),
+    (dict(clip_global_norm=1e39), "--clip_global_norm must be <= 1e\\+30, "
+     "got 1e\\+39"),
+    (dict(weight_decay=float("inf")), "--weight_decay must be <= 1e\\+30"),
+    (dict(max_loss=float("inf")), "--max_loss must be <= 1e\\+30"),
+    (dict(diverged_loss_ratio=1e39), "--diverged_loss_ratio must be <= "
+     "1e\\+30"),
     (dict(intra_op_threads=100000), "--intra_op_threads must be <= 1024"),
     (dict(train_steps=2**63), "--train_steps must be <= 2147483647"),
     (dict(global_batch_size=2**31), "--global_batch_size must be <= "
@@ -56,7 +66,18 @@ def test_values_at_the_bounds_are_valid():
   Config(workdir="w", seed=2**32 - 1, grace_period_s=3600.0,
          intra_op_threads=1024, inter_op_threads=1024,
          collective_timeout_s=86400.0, join_timeout_s=0.001,
-         max_loss=float("inf"), learning_rate=1e-30).validate()
+         max_loss=1e30, learning_rate=1e-30).validate()
+  Config(workdir="w", learning_rate=1e30, clip_global_norm=1e30,
+         weight_decay=1e30, diverged_loss_ratio=1e30).validate()
+
+
+def test_a_float_option_without_an_upper_bound_is_held_to_float32s():
+  spec = options_lib.Spec("outer_learning_rate", float, 1.0, "h", above=0.0)
+  options_lib.check_value(spec, options_lib.MAX_FLOAT)
+  for value in (float("inf"), 1e39):
+    with pytest.raises(UserError, match="--outer_learning_rate must be <= "
+                       r"1e\+30 in size, got"):
+      options_lib.check_value(spec, value)
 
 
 def test_every_run_wide_field_is_declared_as_a_flag():

@@ -238,6 +238,24 @@ def test_fuzzed_mnist_files_load_or_are_refused_in_one_line(tmp_path, model):
   assert set(outcomes) == set(SPOILS)  # Every kind of damage was tried.
 
 
+@pytest.mark.parametrize("make", [
+    os.mkfifo, lambda path: os.symlink("/dev/zero", path)])
+def test_an_mnist_npz_that_is_no_regular_file_is_named_not_opened(
+    tmp_path, make):
+  """A FIFO (opening it would block) or a link to /dev/zero (reading it
+  would never end) exists: it is named as what it is, not "not found"."""
+  path = tmp_path / "mnist.npz"
+  make(str(path))
+  config = make_config(workdir=str(tmp_path / "run"), dataset="mnist",
+                       model="mlp", data_dir=str(tmp_path))
+  with pytest.raises(UserError) as raised:
+    load_data(config)
+  assert str(raised.value) == (
+      f"{path} is not a regular file (a FIFO, device or socket); put the "
+      "standard mnist.npz there, or pass --data_dir=DIR that holds it")
+  assert not (tmp_path / "run").exists()
+
+
 def test_a_bad_mnist_is_refused_at_the_door_and_a_good_one_trains(tmp_path):
   rng = np.random.RandomState(1)
   arrays = _mnist_arrays(rng, n_train=64, n_test=16)

@@ -250,7 +250,8 @@ ASKED_BOUNDS = {
     "eval_batch_size": (1, 2**20),
     # A step holds at most 2**20 examples: this bound with a batch of 1.
     "grad_accum_steps": (1, 2**20),
-    "max_loss": (0.0, None),
+    # Above it a loss bound overflows float32 (options.MAX_FLOAT).
+    "max_loss": (0.0, 1e30),
 }
 
 

@@ -1,5 +1,6 @@
 """TensorBoard output: what Summaries writes, read back from event files."""
 
+import errno
 import glob
 import os
 
@@ -11,6 +12,7 @@ from tensorboard.plugins.hparams import plugin_data_pb2
 from tensorflow.core.protobuf.config_pb2 import RunMetadata
 
 from conftest import read_events
+from dist_loop.core.errors import UserError
 from dist_loop.runtime import summaries as summaries_lib
 from dist_loop.runtime.summaries import LOGDIR, Summaries
 
@@ -157,3 +159,34 @@ def test_a_disabled_writer_writes_nothing(tmp_path):
   summaries.close()
   assert not glob.glob(os.path.join(str(tmp_path), "**", "*"),
                        recursive=True)
+
+
+@pytest.mark.parametrize("error, fix", [
+    (tf.errors.PermissionDeniedError(
+        None, None, "/w/tb; Permission denied"), "Fix the permissions of "),
+    (tf.errors.PermissionDeniedError(
+        None, None, "/w/tb; Read-only file system"),
+     "Use a workdir on a filesystem mounted read-write"),
+    (OSError(errno.EACCES, "Permission denied"), "Fix the permissions of "),
+    (OSError(errno.EROFS, "Read-only file system"),
+     "Use a workdir on a filesystem mounted read-write"),
+    (tf.errors.ResourceExhaustedError(
+        None, None, "/w/tb; No space left on device"), "Free some space"),
+])
+def test_an_unwritable_logdir_names_the_fix_of_its_cause(
+    tmp_path, monkeypatch, error, fix):
+  """TensorFlow reports EACCES, EPERM and EROFS as PermissionDeniedError:
+  not "free some space" then."""
+  def fail(logdir):
+    raise error
+  monkeypatch.setattr(tf.summary, "create_file_writer", fail)
+  with pytest.raises(UserError) as raised:
+    Summaries(str(tmp_path))
+  message = str(raised.value)
+  assert message.startswith(
+      f"cannot write TensorBoard events under {tmp_path / LOGDIR} (")
+  assert f". {fix}" in message and message.endswith(
+      ", then rerun the same command to resume")
+  assert "\n" not in message
+  if fix != "Free some space":
+    assert "space" not in message

@@ -14,6 +14,7 @@ experiments/extensions load the same way (their flagfiles name them).
 import ast
 import glob
 import os
+import signal
 
 import pytest
 import tensorflow as tf
@@ -22,6 +23,7 @@ from conftest import run_main, run_train
 from helpers import kept_registrations
 from experiments import flagfiles
 from experiments import train as entry
+from experiments import user_modules
 
 MODULE = '''
 """A researcher's model, outside the repository."""
@@ -109,6 +111,14 @@ def _package(tmp_path):
   return "pkg"
 
 
+def _special(directory, name, make):
+  """A path that exists but is no regular file (never to be opened)."""
+  directory.mkdir(parents=True, exist_ok=True)
+  path = directory / name
+  make(str(path))
+  return path
+
+
 # name -> (write the module(s) and return the item, the error line).
 FAILURES = {
     "missing_name": (lambda d: "no_such_research_module",
@@ -119,6 +129,19 @@ FAILURES = {
     "missing_file": (lambda d: str(d / "nowhere.py"),
                      "cannot import it: no such .py file or package "
                      "directory"),
+    "fifo": (lambda d: str(_special(d, "fifo.py", os.mkfifo)),
+             "cannot import it: not a regular file (a FIFO, device or "
+             "socket); give a .py file or a package directory"),
+    "link_to_a_device": (lambda d: str(_special(
+        d, "zero.py", lambda p: os.symlink("/dev/zero", p))),
+                         "cannot import it: not a regular file"),
+    "exits_0": (lambda d: str(_write(d, "quits.py", "import sys\n"
+                                     "sys.exit(0)\n")),
+                "cannot import it: SystemExit: 0 (quits.py:2); a module "
+                "must not exit while imported"),
+    "exits_with_a_message": (lambda d: str(_write(
+        d, "bye.py", "raise SystemExit('bye')\n")),
+                             "cannot import it: SystemExit: bye (bye.py:1)"),
     "not_a_name": (lambda d: "my-module",
                    "--user_modules=my-module: cannot import it: not a "
                    "module name nor a path"),
@@ -165,6 +188,38 @@ def test_a_module_that_cannot_be_imported_is_one_line_and_exit_2(
   assert err.startswith(f"error: --user_modules={item}")
   assert message in err and err.count("\n") == 1, err
   assert not (tmp_path / "run").exists()
+
+
+def test_a_keyboard_interrupt_of_the_modules_own_is_one_line(
+    tmp_path, monkeypatch, registrations, capsys):
+  """During start-up Ctrl-C exits at once (`train.exit_on_ctrl_c`), so a
+  KeyboardInterrupt there is the module's own: one line, exit code 2.
+  Where Ctrl-C raises (Python's handler), it may be the user's: it goes
+  on."""
+  del registrations
+  item = str(_write(tmp_path / "outside", "interrupts.py",
+                    "raise KeyboardInterrupt\n"))
+  monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL",
+                     os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"))
+  previous = signal.signal(signal.SIGINT, lambda signum, frame: None)
+  try:
+    with pytest.raises(SystemExit) as exit_:
+      entry.before_the_flags(["train", f"--user_modules={item}",
+                              f"--workdir={tmp_path / 'run'}"])
+  finally:
+    signal.signal(signal.SIGINT, previous)
+  assert exit_.value.code == 2
+  err = capsys.readouterr().err
+  assert err == (f"error: --user_modules={item}: cannot import it: "
+                 "KeyboardInterrupt: (no message) (interrupts.py:1); a "
+                 "module must not exit while imported\n")
+  assert not (tmp_path / "run").exists()
+  previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+  try:
+    with pytest.raises(KeyboardInterrupt):
+      user_modules.load([item])
+  finally:
+    signal.signal(signal.SIGINT, previous)
 
 
 def test_the_worked_examples_load_by_flag():

@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 from dist_loop.core import aliases
 from dist_loop.core import options as options_lib
 from dist_loop.core.errors import UserError
-from dist_loop.core.options import REQUIRED, auto_option, option
+from dist_loop.core.options import MAX_FLOAT, REQUIRED, auto_option, option
 
 DEVICE_TYPES = ("auto", "cpu", "gpu")
 PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
@@ -98,7 +98,7 @@ class Config:
   optimizer: str = option("adam", "Registered optimizer.", group=_OPTIMIZER)
   learning_rate: float = option(
       1e-3, "Learning rate: the peak of --lr_schedule.", above=0.0,
-      group=_OPTIMIZER)
+      upper=MAX_FLOAT, group=_OPTIMIZER)
   lr_schedule: str = option(
       "constant", "Registered learning-rate schedule, a function of the "
       "step (dist_loop/training/schedules.py).", group=_OPTIMIZER)
@@ -109,13 +109,13 @@ class Config:
       0.0, "Scale the reduced gradient of each update down to this global "
       "norm if it is above (0: no clipping). train/grad_norm stays the "
       "norm before clipping; train/clipped_fraction: how often it acted.",
-      lower=0.0, group=_OPTIMIZER)
+      lower=0.0, upper=MAX_FLOAT, group=_OPTIMIZER)
   weight_decay: float = option(
       -1.0, "Decoupled weight decay (as AdamW): w -= lr * weight_decay * w "
       "each update, on every variable of rank >= 2 (biases and "
       "normalisation parameters excluded). -1: the optimizer's own (adamw: "
       "0.004 on every variable; the others: none).", lower=-1.0,
-      group=_OPTIMIZER)
+      upper=MAX_FLOAT, group=_OPTIMIZER)
   seed: int = option(0, "Seed of initialisation and data order.", lower=0,
                      upper=MAX_SEED, group=_RUN)
   deterministic: bool = option(
@@ -172,7 +172,7 @@ class Config:
       0.0, "A step whose loss (in nats) is above this is a divergence, "
       "handled like a non-finite step (--nonfinite=raise or rollback); 0: no "
       "bound. A bound of ~100x the first logged loss catches a run that "
-      "blows up.", lower=0.0, group=_RELIABILITY)
+      "blows up.", lower=0.0, upper=MAX_FLOAT, group=_RELIABILITY)
   max_consecutive_skips: int = option(
       50, "Stop the run once this many steps in a row were skipped "
       "(--nonfinite=skip, or float16 loss-scale overflows).", lower=1,
@@ -181,7 +181,7 @@ class Config:
       10.0, "Report the run as diverged (a warning, summary.json, exit code "
       "3) if its last logged loss is this many times its first (above 1), "
       "or its evaluation is non-finite; 0: never.", lower=0.0,
-      group=_RELIABILITY)
+      upper=MAX_FLOAT, group=_RELIABILITY)
   grace_period_s: float = option(
       30.0, "After SIGTERM, seconds to save a checkpoint and exit.",
       lower=0.1, upper=MAX_GRACE_PERIOD_S, group=_RELIABILITY)

@@ -28,6 +28,14 @@ from dist_loop.core.errors import UserError
 REQUIRED = dataclasses.MISSING
 # The value of an `auto_option` that the run decides.
 AUTO = "auto"
+# The largest value of a float option (the usual `upper` of a rate, a norm or
+# a factor without a natural one). The step computes in float32 (largest
+# 3.4e38): a larger value overflows to inf there, and clipping's
+# clip / max(norm, clip) is then inf / inf = NaN. 1e30 leaves room for its
+# products with ordinary values, keeps its reciprocal a normal float32, and
+# is far above any real setting. `check_value` also holds an option without
+# an `upper` to it.
+MAX_FLOAT = 1e30
 
 
 class AutoBool:
@@ -126,6 +134,9 @@ def check_value(spec: Spec, value) -> None:
     return
   if spec.type is float and math.isnan(value):
     raise UserError(f"--{spec.name} must be a number, got nan")
+  if spec.type is float and spec.upper is None and abs(value) > MAX_FLOAT:
+    raise UserError(f"--{spec.name} must be <= {show(MAX_FLOAT)} in size, "
+                    f"got {value}")
   if spec.lower is not None and value < spec.lower:
     raise UserError(f"--{spec.name} must be >= {show(spec.lower)}, got "
                     f"{value}")

@@ -69,7 +69,13 @@ def read_arrays(path: str):
 def load(data_dir, seed, image_size=None) -> Dataset:
   del seed
   paths = candidate_paths(data_dir)
-  path = next((p for p in paths if os.path.isfile(p)), None)
+  path = next((p for p in paths if os.path.exists(p)), None)
+  if path is not None and not os.path.isfile(path):
+    # A FIFO, device or socket (or a link to one): never opened, as reading
+    # it would block or never end.
+    raise UserError(
+        f"{path} is not a regular file (a FIFO, device or socket); put the "
+        f"standard {FILENAME} there, or pass --data_dir=DIR that holds it")
   if path is None:
     raise UserError(
         f"mnist needs {FILENAME}; not found at {' or '.join(paths)}. Put the "

@@ -24,6 +24,7 @@ write does nothing, so the run's clean-up (a flush, the close) does not
 raise again over it.
 """
 
+import errno
 import functools
 import os
 import re
@@ -98,6 +99,19 @@ def _writes(method):
   return guarded
 
 
+def _fix(error, logdir: str) -> str:
+  """What to do about a failed write, by its cause: TensorFlow reports
+  EACCES, EPERM and EROFS as PermissionDeniedError, without the errno."""
+  code = getattr(error, "errno", None)
+  if code == errno.EROFS or (isinstance(error, tf.errors.PermissionDeniedError)
+                             and "read-only" in str(error).lower()):
+    return "Use a workdir on a filesystem mounted read-write"
+  if code in (errno.EACCES, errno.EPERM) or isinstance(
+      error, tf.errors.PermissionDeniedError):
+    return f"Fix the permissions of {logdir}"
+  return "Free some space"
+
+
 def route(name: str) -> Tuple[str, str]:
   """The (run, tag) under which TensorBoard shows a flat metric name."""
   head, slash, tail = name.partition("/")
@@ -132,8 +146,8 @@ class Summaries:
   def _unwritable(self, error) -> UserError:
     return UserError(
         f"cannot write TensorBoard events under {self.logdir} "
-        f"({reason(error)}); {newest_checkpoint_note(self.workdir)}. Free "
-        "some space, then rerun the same command to resume")
+        f"({reason(error)}); {newest_checkpoint_note(self.workdir)}. "
+        f"{_fix(error, self.logdir)}, then rerun the same command to resume")
 
   def run_dir(self, run: str) -> str:
     return os.path.join(self.logdir, run)

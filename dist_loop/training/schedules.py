@@ -35,10 +35,14 @@ from typing import Callable, Tuple
 import tensorflow as tf
 
 from dist_loop.core.errors import UserError
-from dist_loop.core.options import option
+from dist_loop.core.options import MAX_FLOAT, option, show
 from dist_loop.core.registry import Registry
 
 SCHEDULES: Registry = Registry("learning-rate schedule", "lr_schedule")
+
+# The last step a boundary (or --lr_decay_steps) may name: any count of steps
+# (`config.MAX_STEPS`); above int64, the step comparison cannot hold it.
+MAX_BOUNDARY = 2**31 - 1
 
 _FINAL = ("Cosine and linear decay: the rate at the end of the decay, as a "
           "fraction of --learning_rate.")
@@ -50,7 +54,7 @@ _DECAY = ("Cosine and linear decay: the step the decay ends at (the rate is "
 class DecayOptions:
   """The options of `linear` and `cosine` (declared alike: one flag each)."""
   lr_final_fraction: float = option(0.0, _FINAL, lower=0.0, upper=1.0)
-  lr_decay_steps: int = option(0, _DECAY, lower=0, upper=2**31 - 1)
+  lr_decay_steps: int = option(0, _DECAY, lower=0, upper=MAX_BOUNDARY)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,24 +132,33 @@ def parse_steps(options: StepOptions) -> Tuple[Tuple[int, ...],
   except ValueError:
     raise UserError(
         f"--lr_boundaries={options.lr_boundaries!r} and --lr_factors="
-        f"{options.lr_factors!r} must be comma-separated numbers, e.g. "
+        f"{options.lr_factors!r} must be comma-separated numbers with no "
+        "empty entry, e.g. "
         "--lr_boundaries=3000,6000 --lr_factors=0.1,0.01") from None
   if not boundaries or len(boundaries) != len(factors):
     raise UserError(
         f"--lr_schedule=step needs one --lr_factors value per --lr_boundaries "
         f"step, got {len(boundaries)} boundaries and {len(factors)} factors; "
         "e.g. --lr_boundaries=3000,6000 --lr_factors=0.1,0.01")
-  if list(boundaries) != sorted(set(boundaries)) or boundaries[0] < 1:
+  if (list(boundaries) != sorted(set(boundaries)) or boundaries[0] < 1
+      or boundaries[-1] > MAX_BOUNDARY):
     raise UserError(f"--lr_boundaries={options.lr_boundaries} must be "
-                    "increasing steps >= 1")
-  if any(not (f >= 0.0 and math.isfinite(f)) for f in factors):
+                    f"increasing steps in [1, {MAX_BOUNDARY}]")
+  if any(not 0.0 <= f <= MAX_FLOAT for f in factors):
     raise UserError(f"--lr_factors={options.lr_factors} must be finite "
-                    "numbers >= 0")
+                    f"numbers in [0, {show(MAX_FLOAT)}]")
   return boundaries, factors
 
 
 def _items(text: str):
-  return [t for t in (p.strip() for p in text.split(",")) if t]
+  """The comma-separated entries of `text` (none if it is blank). Raises
+  ValueError on an empty entry ("5,,6": a typo, not two boundaries)."""
+  if not text.strip():
+    return []
+  items = [p.strip() for p in text.split(",")]
+  if not all(items):
+    raise ValueError(text)
+  return items
 
 
 class Schedule:
