@@ -238,12 +238,16 @@ def test_fuzzed_mnist_files_load_or_are_refused_in_one_line(tmp_path, model):
   assert set(outcomes) == set(SPOILS)  # Every kind of damage was tried.
 
 
-@pytest.mark.parametrize("make", [
-    os.mkfifo, lambda path: os.symlink("/dev/zero", path)])
+@pytest.mark.parametrize("make, kind", [
+    (os.mkfifo, "a FIFO, device or socket"),
+    (lambda path: os.symlink("/dev/zero", path), "a FIFO, device or socket"),
+    (os.mkdir, "a directory")])
 def test_an_mnist_npz_that_is_no_regular_file_is_named_not_opened(
-    tmp_path, make):
-  """A FIFO (opening it would block) or a link to /dev/zero (reading it
-  would never end) exists: it is named as what it is, not "not found"."""
+    tmp_path, monkeypatch, make, kind):
+  """A FIFO (opening it would block), a link to /dev/zero (reading it
+  would never end) or a directory is there, and no mnist.npz in Keras's
+  own directory: it is named as what it is, not "not found"."""
+  monkeypatch.setenv("KERAS_HOME", str(tmp_path / "keras"))
   path = tmp_path / "mnist.npz"
   make(str(path))
   config = make_config(workdir=str(tmp_path / "run"), dataset="mnist",
@@ -251,8 +255,8 @@ def test_an_mnist_npz_that_is_no_regular_file_is_named_not_opened(
   with pytest.raises(UserError) as raised:
     load_data(config)
   assert str(raised.value) == (
-      f"{path} is not a regular file (a FIFO, device or socket); put the "
-      "standard mnist.npz there, or pass --data_dir=DIR that holds it")
+      f"{path} is not a regular file ({kind}); put the standard mnist.npz "
+      "there, or pass --data_dir=DIR that holds it")
   assert not (tmp_path / "run").exists()
 
 

@@ -69,13 +69,16 @@ def read_arrays(path: str):
 def load(data_dir, seed, image_size=None) -> Dataset:
   del seed
   paths = candidate_paths(data_dir)
-  path = next((p for p in paths if os.path.exists(p)), None)
-  if path is not None and not os.path.isfile(path):
-    # A FIFO, device or socket (or a link to one): never opened, as reading
-    # it would block or never end.
+  path = next((p for p in paths if os.path.isfile(p)), None)
+  other = next((p for p in paths if os.path.exists(p)), None)
+  if path is None and other is not None:
+    # A directory, FIFO, device or socket (or a link to one): never
+    # opened, as reading a FIFO would block and a device never end.
+    kind = ("a directory" if os.path.isdir(other)
+            else "a FIFO, device or socket")
     raise UserError(
-        f"{path} is not a regular file (a FIFO, device or socket); put the "
-        f"standard {FILENAME} there, or pass --data_dir=DIR that holds it")
+        f"{other} is not a regular file ({kind}); put the standard "
+        f"{FILENAME} there, or pass --data_dir=DIR that holds it")
   if path is None:
     raise UserError(
         f"mnist needs {FILENAME}; not found at {' or '.join(paths)}. Put the "

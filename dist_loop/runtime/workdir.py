@@ -159,6 +159,8 @@ def _expect_regular(path: str) -> None:
   never ends."""
   try:
     mode = os.stat(path).st_mode
+  except FileNotFoundError:  # Removed since (an old checkpoint, a lock).
+    return
   except OSError as e:
     raise UserError(f"{path} cannot be examined ({e.strerror}); move it "
                     "aside, or fix its permissions (nothing was changed)"
