@@ -530,3 +530,50 @@ def test_pipeline_accumulated_rows_are_not_the_reference():
   assert [r["microbatches"] for r in rows
           if r["schedule"] == pipeline_bench.ACCUMULATED] == list(
               pipeline_bench.SHARE_TARGETS)
+
+
+def test_pieces_compute_the_whole_batchs_products():
+  from tools.benchmarks import pieces  # pylint: disable=g-import-not-at-top
+  # Cut into 2 or 4 pieces, each product sums to what the whole batch's
+  # gives: the pieces are timed doing the same work, not less.
+  fns = pieces._variants(rows=64, width=32, pieces=(2, 4))  # pylint: disable=protected-access
+  assert sorted(fns) == sorted((p, m) for p in pieces.PRODUCTS
+                               for m in (1, 2, 4))
+  for product in pieces.PRODUCTS:
+    whole = float(fns[(product, 1)]())
+    assert whole != 0.0
+    for m in (2, 4):
+      assert float(fns[(product, m)]()) == pytest.approx(whole, rel=1e-4)
+
+
+def test_pieces_run_in_a_bounded_child_on_one_core(monkeypatch):
+  from tools.benchmarks import pieces  # pylint: disable=g-import-not-at-top
+  core = sorted(os.sched_getaffinity(0))[-1]
+  out = pieces.measure(quick=True, core=core)
+  rows, width, counts, rounds, _ = pieces.SIZES[True]
+  assert (out["rows"], out["width"]) == (rows, width)
+  assert sorted(out["pieces"]) == list(counts)
+  for ratios in out["pieces"].values():
+    assert sorted(ratios) == sorted(pieces.PRODUCTS)
+    assert all(len(r) == rounds and all(_positive(x) for x in r)
+               for r in ratios.values())
+  # A child that outlives its bound is killed, and the suite says why
+  # instead of failing.
+  monkeypatch.setattr(pieces, "TIMEOUT_S", 0.01)
+  with pytest.raises(RuntimeError, match="took over"):
+    pieces.measure(quick=True)
+  (line,) = pieces.lines(pieces.measure_or_why(quick=True))
+  assert line.startswith("- a Dense layer's products in pieces: not "
+                         "measured (the products benchmark took over")
+
+
+def test_pieces_lines_give_each_products_median_and_spread():
+  from tools.benchmarks import pieces  # pylint: disable=g-import-not-at-top
+  result = {"rows": 1024, "width": 512, "pieces": {16: {
+      "forward": [1.0, 0.9, 1.1], "input gradient": [1.2, 1.3, 1.25],
+      "weight gradient": [1.1, 1.1, 1.1]}}}
+  assert pieces.lines(result) == [
+      "- a Dense layer's products (512x512 weights, one thread) on 16 "
+      "pieces of 64 rows against 1024 rows whole: forward 1.000x (rounds "
+      "0.900-1.100), input gradient 1.250x (rounds 1.200-1.300), weight "
+      "gradient 1.100x (rounds 1.100-1.100)"]

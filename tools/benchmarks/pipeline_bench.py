@@ -38,7 +38,10 @@ its share on this machine's kernels, and 1F1B's share of the ideal against
 that one worker (the same micro-batches, not pipelined) is printed beside
 the targets, with the rest of that share (`microbatch_cost`): what 1F1B's
 actions on a micro-batch cost against that one worker's, and how much of
-its step (M+K-1) of them fill.
+its step (M+K-1) of them fill. Which kernels that cost is in: a Dense
+layer's three products (forward, input and weight gradient) timed on the
+batch in M pieces against it whole, on one thread pinned to a core after
+the workers are done (`pieces.py`), one line per M.
 
 Below the table, the issue's targets, each met or not (or not measured,
 as at `--quick`'s sizes). The share of the ideal speed-up is taken per
@@ -53,7 +56,7 @@ import os
 import statistics
 from typing import Dict, List
 
-from tools.benchmarks import pipeline_worker
+from tools.benchmarks import pieces, pipeline_worker
 
 GLOBAL_BATCH = 1024
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "auto")
@@ -152,9 +155,14 @@ def run(quick: bool = False, rounds: int = None, timeline_path: str = None,
   judged = targets(rows)
   ceiling = two_cores(rows, together)
   cost = microbatch_cost(rows)
+  # Where a micro-batch's cost is: its kernels, alone on one core.
+  kernels = pieces.measure_or_why(quick, core=_core_ids()[0] if hasattr(
+      os, "sched_setaffinity") else None)
   return {"rows": rows, "table": table(rows) + "\n\n" + "\n".join(
-      ceiling_lines(ceiling) + microbatch_lines(cost) + target_lines(judged)),
+      ceiling_lines(ceiling) + microbatch_lines(cost) + pieces.lines(kernels)
+      + target_lines(judged)),
           "targets": judged, "two_cores": ceiling, "microbatch_cost": cost,
+          "pieces": kernels,
           "global_batch": GLOBAL_BATCH,
           "rounds": rounds, "steps": steps}
 
