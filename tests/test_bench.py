@@ -535,7 +535,8 @@ def test_pipeline_accumulated_rows_are_not_the_reference():
 def test_pieces_compute_the_whole_batchs_products():
   from tools.benchmarks import pieces  # pylint: disable=g-import-not-at-top
   # Cut into 2 or 4 pieces, each product sums to what the whole batch's
-  # gives: the pieces are timed doing the same work, not less.
+  # gives (the weight gradient's first element, alone or summed, is the sum
+  # of the pieces' first elements): the pieces do the same work, not less.
   fns = pieces._variants(rows=64, width=32, pieces=(2, 4))  # pylint: disable=protected-access
   assert sorted(fns) == sorted((p, m) for p in pieces.PRODUCTS
                                for m in (1, 2, 4))
@@ -559,8 +560,17 @@ def test_pieces_run_in_a_bounded_child_on_one_core(monkeypatch):
                for r in ratios.values())
   # A child that outlives its bound is killed, and the suite says why
   # instead of failing.
+  # Quick sizes check the harness; their numbers are not printed.
+  assert pieces.lines(out) == [
+      "- a Dense layer's products in pieces: not measured (--quick's sizes "
+      "only check the harness)"]
+  # A core it may not run on: the child says so, and so does the line.
+  (line,) = pieces.lines(pieces.measure_or_why(quick=True, core=99999))
+  assert line.startswith("- a Dense layer's products in pieces: not "
+                         "measured (the products benchmark failed (exit 1): "
+                         "pieces: cannot run on core 99999")
   monkeypatch.setattr(pieces, "TIMEOUT_S", 0.01)
-  with pytest.raises(RuntimeError, match="took over"):
+  with pytest.raises(RuntimeError, match="took over 0.01 s"):
     pieces.measure(quick=True)
   (line,) = pieces.lines(pieces.measure_or_why(quick=True))
   assert line.startswith("- a Dense layer's products in pieces: not "
@@ -569,11 +579,13 @@ def test_pieces_run_in_a_bounded_child_on_one_core(monkeypatch):
 
 def test_pieces_lines_give_each_products_median_and_spread():
   from tools.benchmarks import pieces  # pylint: disable=g-import-not-at-top
-  result = {"rows": 1024, "width": 512, "pieces": {16: {
+  result = {"rows": 1024, "width": 512, "quick": False, "pieces": {16: {
       "forward": [1.0, 0.9, 1.1], "input gradient": [1.2, 1.3, 1.25],
-      "weight gradient": [1.1, 1.1, 1.1]}}}
+      "weight gradient": [1.1, 1.1, 1.1],
+      "weight gradient summed": [1.2, 1.3, 1.1]}}}
   assert pieces.lines(result) == [
       "- a Dense layer's products (512x512 weights, one thread) on 16 "
       "pieces of 64 rows against 1024 rows whole: forward 1.000x (rounds "
       "0.900-1.100), input gradient 1.250x (rounds 1.200-1.300), weight "
-      "gradient 1.100x (rounds 1.100-1.100)"]
+      "gradient 1.100x (rounds 1.100-1.100), weight gradient summed 1.200x "
+      "(rounds 1.100-1.300)"]

@@ -3,19 +3,19 @@ r"""What a Dense layer's products cost when the batch is cut into pieces.
     python -m tools.benchmarks.pieces [--quick]
 
 The pipeline's ideal speed-up assumes that a micro-batch costs 1/M of the
-batch. Where it costs more, the cost is in the kernels: a Dense layer's
-training step runs three products, the forward `x·W`, and the two of
-TensorFlow's gradient of `MatMul`, the input gradient `dy·Wᵀ` and the
-weight gradient `xᵀ·dy` (summed over the micro-batches, as a pipeline
-accumulates it). This times each on the whole batch against the same rows
-in M pieces, with `deep_mlp`'s weights and the pipeline suite's batch, on
-one thread (the suite's one-worker setting), in interleaved rounds: per
-round, the pieces' seconds over the whole's. Each variant is one
-`tf.function` over four layers' worth of products, so that the kernels,
-not the call, are timed.
+batch. A Dense layer's training step runs three products: the forward
+`x·W`, and the two of TensorFlow's gradient of `MatMul`, the input
+gradient `dy·Wᵀ` and the weight gradient `xᵀ·dy`; over micro-batches the
+weight gradients are also summed. This times each product, and the weight
+gradient with its sum, on the whole batch against the same rows in M
+pieces, with `deep_mlp`'s weights and the pipeline suite's batch, on one
+thread (the suite's one-worker setting), in interleaved rounds: per round,
+the pieces' seconds over the whole's. Each variant is one `tf.function`
+over four layers' worth of products, so that the kernels, not the call,
+are timed.
 
-`pipeline_bench` runs it in a child process pinned to one core
-(`measure`): TensorFlow's thread counts can only be set before its runtime
+`pipeline_bench` runs it in a child process (`measure`) that pins itself
+to one core: TensorFlow's thread counts can only be set before its runtime
 starts.
 """
 
@@ -28,7 +28,8 @@ import sys
 import time
 from typing import Dict, List, Optional, Sequence
 
-PRODUCTS = ("forward", "input gradient", "weight gradient")
+PRODUCTS = ("forward", "input gradient", "weight gradient",
+            "weight gradient summed")
 LAYERS = 4
 # (rows, width, piece counts, rounds, calls per round); quick checks the
 # harness only.
@@ -39,12 +40,12 @@ TIMEOUT_S = 600.0
 def _variants(rows: int, width: int, pieces: Sequence[int]):
   """(product, M) -> a function of no arguments; M=1 is the whole batch."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  tf.random.set_seed(0)
-  ws = [tf.random.normal([width, width]) for _ in range(LAYERS)]
+  random = tf.random.Generator.from_seed(0)
+  ws = [random.normal([width, width]) for _ in range(LAYERS)]
   # The weight gradient's operands differ per layer, so that no product
   # repeats another (which the graph optimizer would merge).
-  xs = [tf.random.normal([rows, width]) for _ in range(LAYERS)]
-  dys = [tf.random.normal([rows, width]) for _ in range(LAYERS)]
+  xs = [random.normal([rows, width]) for _ in range(LAYERS)]
+  dys = [random.normal([rows, width]) for _ in range(LAYERS)]
 
   def chain(m, transpose_b):
     total = tf.constant(0.0)
@@ -54,17 +55,21 @@ def _variants(rows: int, width: int, pieces: Sequence[int]):
       total += tf.reduce_sum(h[:, :1])  # Every row's: the whole's sum.
     return total
 
-  def weight_gradients(m):
+  def weight_gradients(m, summed):
     total = tf.constant(0.0)
     for x, dy in zip(xs, dys):
-      grad = tf.add_n([tf.matmul(a, b, transpose_a=True)
-                       for a, b in zip(tf.split(x, m), tf.split(dy, m))])
-      total += tf.reduce_sum(grad[:1, :1])
+      grads = [tf.matmul(a, b, transpose_a=True)
+               for a, b in zip(tf.split(x, m), tf.split(dy, m))]
+      # Summed: one gradient of the whole batch, as a pipeline accumulates
+      # it; else each piece's product alone (every one still computed).
+      for grad in [tf.add_n(grads)] if summed else grads:
+        total += tf.reduce_sum(grad[:1, :1])
     return total
 
   bodies = {"forward": lambda m: chain(m, False),
             "input gradient": lambda m: chain(m, True),
-            "weight gradient": weight_gradients}
+            "weight gradient": lambda m: weight_gradients(m, False),
+            "weight gradient summed": lambda m: weight_gradients(m, True)}
   out = {}
   for product, body in bodies.items():
     for m in (1,) + tuple(pieces):
@@ -86,7 +91,7 @@ def run(quick: bool = False) -> Dict:
       for _ in range(calls):
         fn()
       seconds[key].append(time.perf_counter() - t0)
-  return {"rows": rows, "width": width, "pieces": {
+  return {"rows": rows, "width": width, "quick": quick, "pieces": {
       m: {product: [p / w for p, w in zip(seconds[(product, m)],
                                           seconds[(product, 1)])]
           for product in PRODUCTS} for m in pieces}}
@@ -94,23 +99,18 @@ def run(quick: bool = False) -> Dict:
 
 def measure(quick: bool = False, core: Optional[int] = None) -> Dict:
   """`run` in a child process on one thread, pinned to `core` (None: not
-  pinned); it dies with this process. Raises RuntimeError if it fails or
-  outlives TIMEOUT_S."""
-  from tools import local_cluster  # pylint: disable=g-import-not-at-top
-
-  def prepare():
-    local_cluster.die_with_parent()
-    if core is not None:
-      os.sched_setaffinity(0, {core})
-
+  pinned), which dies with this process. The child pins itself, before it
+  imports TensorFlow (no code runs between fork and exec). Raises
+  RuntimeError if it fails or outlives TIMEOUT_S."""
   cmd = [sys.executable, "-m", "tools.benchmarks.pieces", "--json"]
+  cmd += ["--quick"] if quick else []
+  cmd += [] if core is None else [f"--core={core}"]
   try:
-    done = subprocess.run(cmd + (["--quick"] if quick else []),
-                          capture_output=True, text=True, timeout=TIMEOUT_S,
-                          preexec_fn=prepare, check=False,
+    done = subprocess.run(cmd, capture_output=True, text=True,
+                          timeout=TIMEOUT_S, check=False,
                           env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
   except subprocess.TimeoutExpired as e:
-    raise RuntimeError(f"the products benchmark took over {TIMEOUT_S:.0f} s"
+    raise RuntimeError(f"the products benchmark took over {TIMEOUT_S:g} s"
                        ) from e
   if done.returncode:
     tail = done.stderr.strip().splitlines()[-1:] or ["no output"]
@@ -129,7 +129,7 @@ def measure_or_why(quick: bool = False, core: Optional[int] = None) -> Dict:
   stand without it."""
   try:
     return measure(quick, core)
-  except (RuntimeError, ValueError, OSError) as e:
+  except (RuntimeError, ValueError, OSError, subprocess.SubprocessError) as e:
     return {"error": str(e)}
 
 
@@ -139,6 +139,9 @@ def lines(result: Dict) -> List[str]:
   if "error" in result:
     return [f"- a Dense layer's products in pieces: not measured "
             f"({result['error']})"]
+  if result.get("quick"):
+    return ["- a Dense layer's products in pieces: not measured (--quick's "
+            "sizes only check the harness)"]
   out = []
   for m, ratios in sorted(result["pieces"].items()):
     rows = result["rows"] // m
@@ -158,7 +161,17 @@ def main(argv=None) -> None:
   parser.add_argument("--json", action="store_true",
                       help="print the result as one JSON line (the child "
                       "process `measure` starts)")
+  parser.add_argument("--core", type=int, default=None,
+                      help="pin this process to this core first")
   args = parser.parse_args(argv)
+  from tools import local_cluster  # pylint: disable=g-import-not-at-top
+  if args.json:  # Started by `measure`: it dies with the suite.
+    local_cluster.die_with_parent()
+  if args.core is not None:
+    try:
+      os.sched_setaffinity(0, {args.core})
+    except (OSError, ValueError) as e:
+      sys.exit(f"pieces: cannot run on core {args.core}: {e}")
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   # Each variant is a tf.function of its own, by design: no retracing

@@ -38,10 +38,10 @@ its share on this machine's kernels, and 1F1B's share of the ideal against
 that one worker (the same micro-batches, not pipelined) is printed beside
 the targets, with the rest of that share (`microbatch_cost`): what 1F1B's
 actions on a micro-batch cost against that one worker's, and how much of
-its step (M+K-1) of them fill. Which kernels that cost is in: a Dense
-layer's three products (forward, input and weight gradient) timed on the
-batch in M pieces against it whole, on one thread pinned to a core after
-the workers are done (`pieces.py`), one line per M.
+its step (M+K-1) of them fill. Where that cost is: a Dense layer's three
+products (forward, input and weight gradient) and the weight gradients'
+sum, timed on the batch in M pieces against it whole, on one thread
+pinned to a core after the workers are done (`pieces.py`), one line per M.
 
 Below the table, the issue's targets, each met or not (or not measured,
 as at `--quick`'s sizes). The share of the ideal speed-up is taken per
