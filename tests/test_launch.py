@@ -609,18 +609,9 @@ def test_a_killed_launcher_leaves_no_data_service(tmp_path):
       pids = [pid for pid, cmdline in _children(launcher.pid).items()
               if "tools.data_service" in cmdline]
       time.sleep(0.1)
-    launcher.kill()
-    launcher.wait(timeout=10)
-    deadline = time.monotonic() + 20
-    while any(map(_running, pids)):
-      assert time.monotonic() < deadline, "the data service outlived it"
-      time.sleep(0.1)
+    _kill_and_expect_gone(launcher, pids)
   finally:
-    if launcher.poll() is None:
-      launcher.kill()
-      launcher.wait(timeout=10)
-    for pid in filter(_running, pids):
-      os.kill(pid, signal.SIGKILL)
+    _reap(launcher, pids)
 
 
 def test_no_command_is_one_line_without_a_traceback():
@@ -851,6 +842,27 @@ def _running(pid):
     return False
 
 
+def _kill_and_expect_gone(launcher, pids):
+  """SIGKILLs `launcher`; fails unless every one of `pids` is gone within
+  20 s (the kernel kills them with it)."""
+  launcher.kill()
+  launcher.wait(timeout=10)
+  deadline = time.monotonic() + 20
+  while any(map(_running, pids)):
+    assert time.monotonic() < deadline, [p for p in pids if _running(p)]
+    time.sleep(0.1)
+
+
+def _reap(launcher, pids):
+  """A test's cleanup, whatever it asserted: no launcher and none of
+  `pids` left running."""
+  if launcher.poll() is None:
+    launcher.kill()
+    launcher.wait(timeout=10)
+  for pid in filter(_running, pids):
+    os.kill(pid, signal.SIGKILL)
+
+
 def test_forked_tasks_skip_tensorflow_s_import_and_end_with_the_launcher(
     tmp_path, monkeypatch):
   """The default fork server: each task finds TensorFlow imported, and its
@@ -883,18 +895,9 @@ def test_forked_tasks_skip_tensorflow_s_import_and_end_with_the_launcher(
       assert report["argv"] == ["a", "--b=c"]
     warning = "did not fully read the dataset being cached"
     assert warning in texts[0] and warning not in texts[1], texts
-    launcher.kill()
-    launcher.wait(timeout=10)
-    deadline = time.monotonic() + 20
-    while any(map(_running, pids)):
-      assert time.monotonic() < deadline, [p for p in pids if _running(p)]
-      time.sleep(0.1)
+    _kill_and_expect_gone(launcher, pids)
   finally:
-    if launcher.poll() is None:
-      launcher.kill()
-      launcher.wait(timeout=10)
-    for pid in filter(_running, pids):
-      os.kill(pid, signal.SIGKILL)
+    _reap(launcher, pids)
 
 
 def test_a_fork_server_that_cannot_start_is_one_line_and_tasks_start_anew(
